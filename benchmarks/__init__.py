@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of fastreplay against TorchRL (run ``python -m benchmarks``)."""

@@ -1,0 +1,14 @@
+"""fastreplay: fast, correct drop-in replacements for TorchRL replay-buffer components.
+
+Change one import line and keep TorchRL's interfaces, arguments and outputs::
+
+    from fastreplay import SliceSampler, PrioritizedSampler
+
+See ``docs/index.md`` for what each component fixes and how it is tested.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

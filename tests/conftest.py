@@ -1,0 +1,36 @@
+"""Shared test configuration and fixtures."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrl_extension_available() -> bool:
+    """Whether TorchRL's compiled extension (segment trees) loads on this torch build."""
+    try:
+        ext = importlib.import_module("torchrl._torchrl")
+    except Exception:
+        return False
+    return hasattr(ext, "SumSegmentTreeFp32")
+
+
+TORCHRL_EXT = torchrl_extension_available()
+requires_torchrl_ext = pytest.mark.skipif(
+    not TORCHRL_EXT,
+    reason="TorchRL's compiled extension (torchrl._torchrl) does not load on this torch "
+    f"build ({torch.__version__}); it is only used here as a reference",
+)
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
