@@ -9,6 +9,12 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
+from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "TensorDictPrioritizedReplayBuffer",
+    "TensorDictReplayBuffer",
+    "__version__",
+]

@@ -1,0 +1,177 @@
+"""Pin every host tensor of a sample, and move it to a device without blocking.
+
+Pure core, no TorchRL imports. Every pin goes through :func:`_pin_tensor` and every
+"is it pinned already?" question through :func:`_is_pinned`, and the availability of an
+accelerator is asked of :func:`pinning_available` only: tests on a CPU-only machine replace
+these three to record which tensors reach the pinning step.
+
+A "tree" is what a replay buffer returns: a tensor, a TensorDict or tensorclass (nested keys,
+``device=None`` included; non-tensor data is kept as it is), or a dict, list or tuple of those
+(TorchRL's ``info``). Anything else is returned unchanged.
+
+Example:
+    >>> import torch
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict(obs=torch.zeros(4, 3), nested=TensorDict(x=torch.ones(4), batch_size=[4]),
+    ...                 batch_size=[4])
+    >>> [key for key, _ in leaves_to_pin(td)]
+    ['obs', ('nested', 'x')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection
+
+__all__ = ["leaves_to_pin", "move_tree", "pin_tree", "pinning_available"]
+
+
+def pinning_available() -> bool:
+    """Whether page-locked (pinned) host memory can be allocated here.
+
+    Pinned memory needs an accelerator (CUDA, or another ``torch.accelerator`` backend).
+    Without one, ``tensor.pin_memory()`` raises ``RuntimeError: Cannot access accelerator
+    device when none is available``.
+
+    Example:
+        >>> isinstance(pinning_available(), bool)
+        True
+    """
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def _pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The single place that pins: a page-locked copy of a host tensor."""
+    return tensor.pin_memory()
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    """The single place that asks whether a host tensor is pinned already."""
+    return tensor.is_pinned()
+
+
+def _needs_pinning(tensor: torch.Tensor) -> bool:
+    # Accelerator (and meta) tensors stay where they are; pinned ones are not copied again.
+    return tensor.device.type == "cpu" and not _is_pinned(tensor)
+
+
+def _is_plain_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not is_tensor_collection(value)
+
+
+def leaves_to_pin(tree: Any) -> Iterator[tuple[Any, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for each host tensor of ``tree`` that is not pinned yet.
+
+    A path is a TensorDict key (a string or a tuple for nested keys), a dict key, a list or
+    tuple position, or a tuple of those for containers nested in containers. Non-tensor data
+    and accelerator tensors are skipped. O(number of leaves).
+
+    Args:
+        tree: A tensor, TensorDict/tensorclass, or dict/list/tuple of those.
+
+    Example:
+        >>> import torch
+        >>> info = {"index": torch.arange(3), "note": "kept", "pair": (torch.ones(2), 1.0)}
+        >>> [path for path, _ in leaves_to_pin(info)]
+        ['index', ('pair', 0)]
+    """
+    if is_tensor_collection(tree):
+        for key, value in tree.items(include_nested=True, leaves_only=True):
+            if _is_plain_tensor(value) and _needs_pinning(value):
+                yield key, value
+    elif _is_plain_tensor(tree):
+        if _needs_pinning(tree):
+            yield (), tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            for sub, leaf in leaves_to_pin(value):
+                yield _join(key, sub), leaf
+    elif isinstance(tree, (list, tuple)):
+        for position, value in enumerate(tree):
+            for sub, leaf in leaves_to_pin(value):
+                yield _join(position, sub), leaf
+
+
+def _join(head: Any, tail: Any) -> Any:
+    if tail == ():
+        return head
+    return (head, *tail) if isinstance(tail, tuple) else (head, tail)
+
+
+def _map_tree(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every plain tensor leaf; containers are rebuilt, not mutated."""
+    if is_tensor_collection(tree):
+        # ``apply`` leaves non-tensor data alone and keeps the batch size, device (None too),
+        # names and the lock state.
+        return tree.apply(fn, propagate_lock=True, filter_empty=False)
+    if _is_plain_tensor(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return type(tree)((key, _map_tree(value, fn)) for key, value in tree.items())
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_map_tree(value, fn) for value in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_tree(value, fn) for value in tree)
+    return tree
+
+
+def pin_tree(tree: Any) -> Any:
+    """Return ``tree`` with every host tensor leaf in pinned memory.
+
+    Host tensors that are already pinned and accelerator tensors are returned as they are (no
+    copy); non-tensor data is untouched. The input is not modified: a new container is built
+    when anything needs pinning, and the same object is returned when nothing does. A tensor
+    reached twice (the same object under two keys) is pinned once. Needs an accelerator
+    (see :func:`pinning_available`) whenever some leaf needs pinning. O(number of leaves) plus
+    one host copy per unpinned leaf.
+
+    Args:
+        tree: A tensor, TensorDict/tensorclass, or dict/list/tuple of those.
+
+    Example:
+        >>> import torch
+        >>> tree = {"note": "no tensors, nothing to pin"}
+        >>> pin_tree(tree) is tree
+        True
+    """
+    if next(iter(leaves_to_pin(tree)), None) is None:
+        return tree
+    # id -> (original, pinned copy); holding the original keeps its id from being reused.
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def pin(tensor: torch.Tensor) -> torch.Tensor:
+        if not _needs_pinning(tensor):
+            return tensor
+        if id(tensor) not in memo:
+            memo[id(tensor)] = (tensor, _pin_tensor(tensor))
+        return memo[id(tensor)][1]
+
+    return _map_tree(tree, pin)
+
+
+def move_tree(tree: Any, device: torch.device) -> Any:
+    """Return ``tree`` with every tensor leaf on ``device``, copied with ``non_blocking=True``.
+
+    Pin the tree first (:func:`pin_tree`): a non-blocking copy from pageable host memory is
+    synchronous. TensorDicts and tensorclasses take ``device`` as their device. Leaves already
+    on ``device`` are not copied. O(number of leaves); the copies are queued on the current
+    stream of the calling thread.
+
+    Args:
+        tree: A tensor, TensorDict/tensorclass, or dict/list/tuple of those.
+        device: The target device.
+
+    Example:
+        >>> import torch
+        >>> move_tree({"index": torch.arange(3)}, torch.device("cpu"))["index"].device
+        device(type='cpu')
+    """
+    if is_tensor_collection(tree):
+        return tree.to(device, non_blocking=True)
+    return _map_tree(tree, lambda tensor: tensor.to(device, non_blocking=True))

@@ -1,0 +1,266 @@
+"""TorchRL TensorDict replay buffers whose samples are fully pinned (and optionally on device).
+
+``pin_memory=True`` in torchrl 0.14.1 (pytorch/rl #2404, fix #2411) leaves part of each sample
+in pageable memory: a transform output with ``device=None``, and the ``index``,
+``priority_weight`` and truncation flags added after pinning. Without an accelerator the first
+``sample`` raises ``RuntimeError: Cannot access accelerator device when none is available``.
+
+These subclasses keep TorchRL's arguments and behaviour and change one thing: the whole sample,
+metadata included, is built first and pinned last, in the prefetch thread when ``prefetch`` is
+set. TorchRL's own pinning is switched off. Without an accelerator, ``pin_memory=True`` warns
+once at construction and samples unpinned, as ``torch.utils.data.DataLoader`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+from tensordict import is_tensor_collection, is_tensorclass
+from tensordict.utils import expand_as_right
+from torchrl.data import TensorDictPrioritizedReplayBuffer as _TorchRLPrioritizedBuffer
+from torchrl.data import TensorDictReplayBuffer as _TorchRLBuffer
+from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
+
+from fastreplay import _pinning
+
+__all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
+
+_NO_ACCELERATOR = (
+    "'pin_memory' argument is set as true but no accelerator is found, so samples of this "
+    "replay buffer will not be pinned. Pass pin_memory=False to silence this warning."
+)
+
+
+def _check_pin_memory(pin_memory: Any) -> bool:
+    if not isinstance(pin_memory, bool):
+        raise TypeError(
+            f"pin_memory must be a bool, got {pin_memory!r} of type {type(pin_memory).__name__}; "
+            "pass pin_memory=True or pin_memory=False."
+        )
+    return pin_memory
+
+
+def _check_device(device: Any) -> torch.device | None:
+    """A ``torch.device`` that exists on this machine, or ``None``."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(
+            f"device must be None, a str, an int or a torch.device, got {device!r} of type "
+            f"{type(device).__name__}; pass e.g. device='cuda'."
+        )
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(
+            f"device={device!r} is not a device torch knows ({err}); pass e.g. device='cuda', "
+            "device='cuda:0' or device='cpu'."
+        ) from None
+    if parsed.type == "cpu":
+        return parsed
+    backend = getattr(torch, parsed.type, None)
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    if not available:
+        raise ValueError(
+            f"device={device!r}: no {parsed.type} device is available on this machine; "
+            "pass device=None (samples stay on the host) or device='cpu'."
+        )
+    count = getattr(backend, "device_count", lambda: 1)()
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(
+            f"device={device!r}: this machine has {count} {parsed.type} device(s), "
+            f"indices 0 to {count - 1}; pass one of those."
+        )
+    return parsed
+
+
+class _PinnedSampleMixin:
+    """Builds the full sample in ``_sample`` (prefetch thread), then pins and moves it.
+
+    Placed before a TorchRL TensorDict buffer in the bases. O(number of leaves) per sample on
+    top of TorchRL's work, plus one host copy per leaf that is not pinned yet.
+    """
+
+    def __init__(self, *, pin_memory: bool = False, device: Any = None, **kwargs: Any) -> None:
+        pin_memory = _check_pin_memory(pin_memory)
+        device = _check_device(device)
+        self._fr_pin_memory = pin_memory
+        self._fr_device = device
+        wants_pinning = pin_memory or (device is not None and device.type != "cpu")
+        self._fr_pinning = wants_pinning and _pinning.pinning_available()
+        if pin_memory and not self._fr_pinning:
+            warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
+        # TorchRL's own pinning (``pin_memory_output``) stays off: it pins too early and
+        # crashes without an accelerator.
+        super().__init__(pin_memory=False, **kwargs)
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether ``pin_memory=True`` was requested (see :attr:`pins` for what happens)."""
+        return self._fr_pin_memory
+
+    @property
+    def pins(self) -> bool:
+        """Whether samples are really pinned (an accelerator is present and pinning was asked)."""
+        return self._fr_pinning
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device samples are moved to, or ``None`` to keep them on the storage's device."""
+        return self._fr_device
+
+    def _finish(self, data: Any, info: Any) -> tuple[Any, Any]:
+        if self._fr_pinning:
+            data, info = _pinning.pin_tree((data, info))
+        if self._fr_device is not None:
+            data = _pinning.move_tree(data, self._fr_device)
+        return data, info
+
+    def _sample(self, batch_size: int) -> tuple[Any, dict]:
+        data, info = super()._sample(batch_size)
+        if is_tensor_collection(data) and not is_tensorclass(data):
+            data = _write_info(data, info)
+        return self._finish(data, info)
+
+    def sample(
+        self,
+        batch_size: int | None = None,
+        return_info: bool = False,
+        include_info: bool | None = None,
+    ) -> Any:
+        """Sample a batch, as TorchRL's ``TensorDictReplayBuffer.sample`` does.
+
+        The metadata (``index``, ``priority_weight``, truncation flags) is already in the
+        TensorDict, written and pinned where the sample was built (the prefetch thread when
+        ``prefetch`` is set). With ``device`` set, the TensorDict is on ``device``; ``info``
+        stays on the storage's device (pinned), as in TorchRL.
+
+        Args:
+            batch_size: Size of the batch; defaults to the buffer's ``batch_size``.
+            return_info: Whether to return ``(data, info)`` instead of ``data``.
+            include_info: Deprecated TorchRL alias; ``False`` drops the metadata keys.
+        """
+        if include_info is not None:
+            warnings.warn(
+                "include_info is going to be deprecated soon.The default behavior has changed "
+                "to `include_info=True` to avoid bugs linked to wrongly preassigned values in "
+                "the output tensordict.",
+                stacklevel=2,
+            )
+        data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
+        is_tc = is_tensor_collection(data)
+        if not is_tc and include_info in (True, None):
+            raise RuntimeError("Cannot include info in non-tensordict data")
+        if is_tc and not is_tensorclass(data) and include_info is False:
+            data = data.exclude(*info.keys())
+        if self._fr_pinning:
+            # Leftovers only (TorchRL moves ``info`` to the storage device after ``_sample``, and
+            # restored prefetch queues hold clones): pinned leaves are not copied again.
+            data, info = _pinning.pin_tree((data, info))
+        if return_info:
+            return data, info
+        return data
+
+    def __getitem__(self, index: Any) -> Any:
+        data = super().__getitem__(index)
+        if self._fr_pinning:
+            data = _pinning.pin_tree(data)
+        return data
+
+
+def _write_info(data: Any, info: dict) -> Any:
+    """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does."""
+    is_locked = data.is_locked
+    with data.unlock_() if is_locked else contextlib.nullcontext():
+        for key, val in info.items():
+            if key == "index" and isinstance(val, tuple):
+                val = torch.stack(val, -1)
+            try:
+                val = _as_tensor(val, data.device)
+                if val.ndim < data.ndim:
+                    val = expand_as_right(val, data)
+                data.set(key, val)
+            except RuntimeError:
+                raise RuntimeError(
+                    "Failed to set the metadata (e.g., indices or weights) in the sampled "
+                    "tensordict within TensorDictReplayBuffer.sample. This is probably caused "
+                    "by a shape mismatch (one of the transforms has probably modified the "
+                    "shape of the output tensordict). You can always recover these items from "
+                    "the `sample` method from a regular ReplayBuffer instance with the "
+                    "'return_info' flag set to True."
+                ) from None
+    return data
+
+
+def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value if device is None else value.to(device)
+    return torch.as_tensor(value, device=device)
+
+
+class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
+    """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
+
+    Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
+
+    - ``pin_memory=True`` pins every host tensor of the sample: metadata the buffer adds
+      (``index``, ``priority_weight``, truncation flags), transform outputs (``device=None``
+      TensorDicts and nested keys too) and ``info``. Pinned and accelerator tensors are not
+      copied; non-tensor data is untouched. With ``prefetch``, pinning runs in the prefetch
+      thread. Without an accelerator: one ``UserWarning`` at construction, then unpinned
+      samples.
+    - ``device`` (optional): samples are pinned, then moved with ``non_blocking=True``. An
+      accelerator ``device`` implies pinning.
+
+    Args:
+        pin_memory: Pin samples (a bool). Defaults to ``False``.
+        device: Where samples are delivered (``"cuda"``, ``"cuda:1"``, ``"cpu"``...). Must
+            exist on this machine. Defaults to ``None`` (the storage's device).
+        **kwargs: Everything :class:`torchrl.data.TensorDictReplayBuffer` accepts.
+
+    Raises:
+        TypeError: ``pin_memory`` is not a bool, or ``device`` is not a device-like value.
+        ValueError: ``device`` is unknown to torch or absent from this machine.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage
+        >>> from fastreplay import TensorDictReplayBuffer
+        >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=8)
+        >>> _ = rb.extend(TensorDict(obs=torch.arange(50), batch_size=[50]))
+        >>> sample = rb.sample()
+        >>> sorted(sample.keys()), sample["obs"].shape, rb.pin_memory
+        (['index', 'obs'], torch.Size([8]), False)
+    """
+
+
+class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedBuffer):
+    """TorchRL's ``TensorDictPrioritizedReplayBuffer`` whose samples are pinned in full.
+
+    Same arguments and behaviour as :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`,
+    with the ``pin_memory`` and ``device`` behaviour of :class:`TensorDictReplayBuffer`
+    (``priority_weight`` and ``index`` are pinned too). TorchRL builds its own
+    ``PrioritizedSampler`` here, which needs TorchRL's compiled segment trees; where they do not
+    load, use :class:`TensorDictReplayBuffer` with a prioritized sampler instead.
+
+    Args:
+        pin_memory: Pin samples (a bool). Defaults to ``False``.
+        device: Where samples are delivered. Must exist on this machine. Defaults to ``None``.
+        **kwargs: Everything :class:`torchrl.data.TensorDictPrioritizedReplayBuffer` accepts
+            (``alpha`` and ``beta`` are required).
+
+    Raises:
+        TypeError: ``pin_memory`` is not a bool, or ``device`` is not a device-like value.
+        ValueError: ``device`` is unknown to torch or absent from this machine.
+
+    Example:
+        >>> from fastreplay import TensorDictPrioritizedReplayBuffer
+        >>> TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory="yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: pin_memory must be a bool, got 'yes' of type str; ...
+    """
