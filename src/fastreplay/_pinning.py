@@ -14,8 +14,8 @@ Example:
     >>> from tensordict import TensorDict
     >>> td = TensorDict(obs=torch.zeros(4, 3), nested=TensorDict(x=torch.ones(4), batch_size=[4]),
     ...                 batch_size=[4])
-    >>> [key for key, _ in leaves_to_pin(td)]
-    ['obs', ('nested', 'x')]
+    >>> [path for path, _ in leaves_to_pin(td)]
+    [('obs',), (('nested', 'x'),)]
 """
 
 from __future__ import annotations
@@ -65,43 +65,36 @@ def _is_plain_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not is_tensor_collection(value)
 
 
-def leaves_to_pin(tree: Any) -> Iterator[tuple[Any, torch.Tensor]]:
+def leaves_to_pin(tree: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Yield ``(path, tensor)`` for each host tensor of ``tree`` that is not pinned yet.
 
-    A path is a TensorDict key (a string or a tuple for nested keys), a dict key, a list or
-    tuple position, or a tuple of those for containers nested in containers. Non-tensor data
-    and accelerator tensors are skipped. O(number of leaves).
+    A path is a tuple of steps: a TensorDict key (a string, or a tuple for a nested key), a
+    dict key, or a list/tuple position. Non-tensor data and accelerator tensors are skipped.
+    O(number of leaves).
 
     Args:
         tree: A tensor, TensorDict/tensorclass, or dict/list/tuple of those.
+        path: Prefix prepended to every path.
 
     Example:
         >>> import torch
         >>> info = {"index": torch.arange(3), "note": "kept", "pair": (torch.ones(2), 1.0)}
         >>> [path for path, _ in leaves_to_pin(info)]
-        ['index', ('pair', 0)]
+        [('index',), ('pair', 0)]
     """
     if is_tensor_collection(tree):
         for key, value in tree.items(include_nested=True, leaves_only=True):
             if _is_plain_tensor(value) and _needs_pinning(value):
-                yield key, value
+                yield (*path, key), value
     elif _is_plain_tensor(tree):
         if _needs_pinning(tree):
-            yield (), tree
+            yield path, tree
     elif isinstance(tree, dict):
         for key, value in tree.items():
-            for sub, leaf in leaves_to_pin(value):
-                yield _join(key, sub), leaf
+            yield from leaves_to_pin(value, (*path, key))
     elif isinstance(tree, (list, tuple)):
         for position, value in enumerate(tree):
-            for sub, leaf in leaves_to_pin(value):
-                yield _join(position, sub), leaf
-
-
-def _join(head: Any, tail: Any) -> Any:
-    if tail == ():
-        return head
-    return (head, *tail) if isinstance(tail, tuple) else (head, tail)
+            yield from leaves_to_pin(value, (*path, position))
 
 
 def _map_tree(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

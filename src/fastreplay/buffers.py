@@ -14,10 +14,13 @@ once at construction and samples unpinned, as ``torch.utils.data.DataLoader`` do
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from typing import Any
 
 import torch
+import torchrl
 from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 from torchrl.data import TensorDictPrioritizedReplayBuffer as _TorchRLPrioritizedBuffer
@@ -32,6 +35,23 @@ _NO_ACCELERATOR = (
     "'pin_memory' argument is set as true but no accelerator is found, so samples of this "
     "replay buffer will not be pinned. Pass pin_memory=False to silence this warning."
 )
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (torchrl.__file__, torch.__file__, __file__)
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside fastreplay/TorchRL.
+
+    TorchRL's buffer metaclass adds a variable number of frames around ``__init__``.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_pin_memory(pin_memory: Any) -> bool:
@@ -92,7 +112,7 @@ class _PinnedSampleMixin:
         wants_pinning = pin_memory or (device is not None and device.type != "cpu")
         self._fr_pinning = wants_pinning and _pinning.pinning_available()
         if pin_memory and not self._fr_pinning:
-            warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=3)
+            warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=_user_stacklevel())
         # TorchRL's own pinning (``pin_memory_output``) stays off: it pins too early and
         # crashes without an accelerator.
         super().__init__(pin_memory=False, **kwargs)

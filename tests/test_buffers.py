@@ -1,0 +1,627 @@
+"""fastreplay.TensorDictReplayBuffer / TensorDictPrioritizedReplayBuffer: pinned samples.
+
+Without CUDA, the pinning step is observed instead of run: ``fake_pinning`` pretends an
+accelerator exists and replaces the one pinning hook with "clone and remember the clone's
+storage"; a leaf counts as pinned only if its storage came out of that hook. Every check then
+walks the returned sample independently of fastreplay's code, so a metadata key or a transform
+output that escapes pinning fails the test. The same checks with real ``is_pinned()`` run under
+``requires_cuda``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import namedtuple
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torchrl.data.replay_buffers.utils as torchrl_rb_utils
+from tensordict import NonTensorData, TensorDict, is_tensor_collection
+from torchrl.data import LazyTensorStorage, ListStorage
+from torchrl.data import PrioritizedSampler as TorchRLPrioritizedSampler
+from torchrl.data import SliceSampler as TorchRLSliceSampler
+from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritizedBuffer
+from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
+
+import fastreplay
+from conftest import TORCHRL_EXT, requires_cuda, requires_torchrl_ext
+from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer, _pinning
+
+N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
+CAPACITY = 50
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_data(n_traj: int = N_TRAJ, traj_len: int = TRAJ_LEN) -> TensorDict:
+    """``obs = traj * 10_000 + step``: every value says where it came from."""
+    traj = torch.arange(n_traj).repeat_interleave(traj_len)
+    step = torch.arange(traj_len).repeat(n_traj)
+    n = traj.numel()
+    gen = torch.Generator().manual_seed(0)
+    return TensorDict(
+        obs=traj * 10_000 + step,
+        traj=traj,
+        pixels=torch.randint(0, 255, (n, 3, 4, 4), dtype=torch.uint8, generator=gen),
+        reward=torch.rand(n, generator=gen),
+        nested=TensorDict(value=(traj * 10_000 + step).float()[:, None], batch_size=[n]),
+        batch_size=[n],
+    )
+
+
+def device_none_transform(td: TensorDict) -> TensorDict:
+    """A transform returning a brand-new TensorDict with ``device=None``, nested keys and
+    non-tensor data (the case torchrl 0.14.1 leaves unpinned)."""
+    out = TensorDict(
+        obs=td["obs"],
+        traj=td["traj"],
+        twice=td["obs"] * 2,
+        deep=TensorDict(
+            inner=TensorDict(scaled=td["nested", "value"] / 10, batch_size=td.batch_size),
+            batch_size=td.batch_size,
+        ),
+        batch_size=td.batch_size,
+        device=None,
+    )
+    out.set("tag", NonTensorData("kept", batch_size=td.batch_size))
+    return out
+
+
+def tensor_leaves(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """Every tensor leaf of a sample or of ``info``, found without fastreplay's code."""
+    if is_tensor_collection(obj):
+        for key in obj.keys(include_nested=True, leaves_only=True):
+            value = obj.get(key)
+            if isinstance(value, torch.Tensor) and not is_tensor_collection(value):
+                yield (*path, key), value
+    elif isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from tensor_leaves(value, (*path, key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from tensor_leaves(value, (*path, i))
+
+
+def unpinned(obj: Any, is_pinned: Callable[[torch.Tensor], bool]) -> list[tuple]:
+    """Paths of host tensors that are not pinned."""
+    return [p for p, t in tensor_leaves(obj) if t.device.type == "cpu" and not is_pinned(t)]
+
+
+class FakePinning:
+    """Stands in for an accelerator: pinning = clone + remember the clone's storage."""
+
+    def __init__(self) -> None:
+        self._storages: set[int] = set()
+        self._keep: list[torch.Tensor] = []  # keeps storages alive, so pointers are not reused
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        copy = tensor.clone()
+        with self.lock:
+            self._keep.append(copy)
+            self._storages.add(copy.untyped_storage().data_ptr())
+            self.threads.append(threading.current_thread())
+        return copy
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        # Pinned-ness belongs to the storage: views (expand, index) of a pinned tensor count.
+        return tensor.numel() > 0 and tensor.untyped_storage().data_ptr() in self._storages
+
+    @property
+    def calls(self) -> int:
+        return len(self.threads)
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> FakePinning:
+    fake = FakePinning()
+    monkeypatch.setattr(_pinning, "pinning_available", lambda: True)
+    monkeypatch.setattr(_pinning, "_pin_tensor", fake.pin)
+    monkeypatch.setattr(_pinning, "_is_pinned", fake.is_pinned)
+    return fake
+
+
+@pytest.fixture
+def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_pin(tensor: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("pinning attempted without an accelerator")
+
+    monkeypatch.setattr(_pinning, "pinning_available", lambda: False)
+    monkeypatch.setattr(_pinning, "_pin_tensor", must_not_pin)
+
+
+def _fastreplay_sampler(name: str) -> type:
+    cls = getattr(fastreplay, name, None)
+    if cls is None:
+        pytest.skip(f"fastreplay.{name} is not in this branch yet (merged separately)")
+    return cls
+
+
+def _requires_ext() -> None:
+    if not TORCHRL_EXT:
+        pytest.skip("TorchRL's PrioritizedSampler needs its compiled extension (absent here)")
+
+
+def make_sampler(kind: str) -> Any:
+    if kind == "random":
+        return None
+    if kind == "torchrl-slice":
+        return TorchRLSliceSampler(slice_len=3, traj_key="traj")
+    if kind == "torchrl-prioritized":
+        _requires_ext()
+        return TorchRLPrioritizedSampler(CAPACITY, alpha=0.7, beta=0.5)
+    if kind == "fastreplay-slice":
+        return _fastreplay_sampler("SliceSampler")(slice_len=3, traj_key="traj")
+    if kind == "fastreplay-prioritized":
+        return _fastreplay_sampler("PrioritizedSampler")(CAPACITY, alpha=0.7, beta=0.5)
+    raise AssertionError(kind)
+
+
+SAMPLERS = [
+    "random",
+    "torchrl-slice",
+    "torchrl-prioritized",
+    "fastreplay-slice",
+    "fastreplay-prioritized",
+]
+EXPECTED_METADATA = {
+    "random": {"index"},
+    "torchrl-slice": {"index", ("next", "truncated"), ("next", "done"), ("next", "terminated")},
+    "torchrl-prioritized": {"index", "priority_weight"},
+    "fastreplay-slice": {"index", ("next", "truncated"), ("next", "done"), ("next", "terminated")},
+    "fastreplay-prioritized": {"index", "priority_weight"},
+}
+
+
+def make_buffer(cls: type, kind: str, chunks: list | None = None, **kwargs: Any) -> Any:
+    kwargs.setdefault("storage", LazyTensorStorage(CAPACITY))
+    kwargs.setdefault("batch_size", 12)
+    rb = cls(sampler=make_sampler(kind), **kwargs)
+    if chunks is None:
+        # Two writes: wrap-around without duplicate indices inside one write (whose winner is
+        # unspecified in torch's index_put).
+        data = make_data()
+        chunks = [data[:32], data[32:]]
+    for chunk in chunks:
+        rb.extend(chunk)
+    return rb
+
+
+def generator(value: int) -> torch.Generator:
+    """A buffer's own generator: samples do not depend on other draws of the global RNG."""
+    return torch.Generator().manual_seed(value)
+
+
+def assert_same_sample(a: TensorDict, b: TensorDict) -> None:
+    assert set(a.keys(True, True)) == set(b.keys(True, True))
+    for key in a.keys(True, True):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, torch.Tensor):
+            torch.testing.assert_close(va, vb, rtol=0, atol=0, msg=str(key))
+        else:
+            assert va == vb, key
+
+
+def assert_slices_consistent(sample: TensorDict) -> None:
+    """Built-in invariant: ``obs`` encodes (trajectory, step); values never get mixed up."""
+    obs = sample["obs"].cpu()
+    torch.testing.assert_close(obs // 10_000, sample["traj"].cpu())
+    assert bool(((obs % 10_000) < TRAJ_LEN).all())
+
+
+# ----------------------------------------------------------------------------- pin_tree core
+
+
+def test_pin_tree_pins_each_host_leaf_once_and_leaves_the_rest(fake_pinning: FakePinning):
+    already = fake_pinning.pin(torch.arange(3))
+    fake_pinning.threads.clear()
+    shared = torch.ones(4)
+    on_device = torch.empty(4, device="meta")  # stands in for an accelerator tensor
+    td = TensorDict(
+        a=shared,
+        b=shared,
+        pinned=torch.zeros(4),
+        nested=TensorDict(x=torch.zeros(4, 2), dev=on_device, batch_size=[4]),
+        batch_size=[4],
+        device=None,
+    )
+    td.set("note", NonTensorData("text", batch_size=[4]))
+    td.set("pinned", already.new_zeros(4))  # fresh
+    before = {k: v for k, v in td.items(True, True)}
+    tree = {"data": td, "index": (already, torch.arange(4)), "count": 3}
+
+    out = _pinning.pin_tree(tree)
+
+    assert unpinned(out, fake_pinning.is_pinned) == []
+    assert out["index"][0] is already  # already pinned: not copied again
+    assert out["data"]["nested", "dev"] is on_device  # accelerator tensor: left where it is
+    assert out["data"]["a"] is out["data"]["b"]  # the same tensor is pinned once
+    assert out["data"].get_non_tensor("note") == "text"
+    assert out["count"] == 3
+    assert out["data"].device is None and out["data"].batch_size == torch.Size([4])
+    # 4 host leaves needed pinning: shared (once), pinned, nested.x, index[1].
+    assert fake_pinning.calls == 4
+    # The input is not modified.
+    assert all(td.get(k) is v for k, v in before.items())
+    assert not fake_pinning.is_pinned(tree["index"][1])
+
+
+def test_pin_tree_rebuilds_namedtuples_and_returns_untouched_trees(fake_pinning: FakePinning):
+    pair = namedtuple("pair", ["first", "second"])
+    out = _pinning.pin_tree(pair(torch.zeros(2), [torch.ones(1), "x"]))
+    assert isinstance(out, pair) and out.second[1] == "x"
+    assert unpinned(out, fake_pinning.is_pinned) == []
+    nothing = {"a": 1, "b": [torch.empty(2, device="meta")]}
+    assert _pinning.pin_tree(nothing) is nothing
+
+
+def test_leaves_to_pin_names_every_path(fake_pinning: FakePinning):
+    td = TensorDict(
+        a=torch.zeros(2), n=TensorDict(b=torch.zeros(2), batch_size=[2]), batch_size=[2]
+    )
+    info = {"index": (torch.arange(2),), ("next", "done"): torch.zeros(2, dtype=torch.bool)}
+    paths = [p for p, _ in _pinning.leaves_to_pin((td, info))]
+    assert paths == [(0, "a"), (0, ("n", "b")), (1, "index", 0), (1, ("next", "done"))]
+
+
+def test_move_tree_copies_without_blocking(monkeypatch: pytest.MonkeyPatch):
+    seen = []
+    original = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("non_blocking"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    out = _pinning.move_tree({"a": torch.zeros(2), "b": (torch.ones(1),)}, torch.device("cpu"))
+    assert seen == [True, True] and out["b"][0].device.type == "cpu"
+    td = TensorDict(a=torch.zeros(2), batch_size=[2])
+    moved = _pinning.move_tree(td, torch.device("cpu"))
+    assert moved.device == torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+@pytest.mark.parametrize("kind", SAMPLERS)
+@pytest.mark.parametrize("mode", ["sample", "return_info", "prefetch", "transform", "ndim2"])
+def test_every_leaf_reaches_pinning(fake_pinning: FakePinning, kind: str, mode: str):
+    kwargs: dict[str, Any] = {"pin_memory": True}
+    if mode == "prefetch":
+        kwargs["prefetch"] = 2
+    if mode in ("transform", "prefetch"):
+        kwargs["transform"] = device_none_transform
+    chunks = None
+    if mode == "ndim2":
+        if "prioritized" in kind:
+            pytest.skip("TorchRL's PrioritizedSampler does not support ndim=2 storages")
+        kwargs["storage"] = LazyTensorStorage(CAPACITY, ndim=2)
+        data = make_data().reshape(N_TRAJ, TRAJ_LEN)  # [env, time]: storage shape [7, 7]
+        chunks = [data[:, :5], data[:, 5:]]  # wraps around in time
+    rb = make_buffer(TensorDictReplayBuffer, kind, chunks, **kwargs)
+    try:
+        for _ in range(4):
+            data, info = rb.sample(return_info=True)
+            got = data if mode != "return_info" else (data, info)
+            assert unpinned(got, fake_pinning.is_pinned) == [], mode
+            assert unpinned(info, fake_pinning.is_pinned) == []
+            assert EXPECTED_METADATA[kind] <= set(data.keys(True, True))
+            if mode != "ndim2":
+                assert_slices_consistent(data)
+            if "transform" in kwargs:
+                assert data.get_non_tensor("tag") == "kept"
+                assert ("deep", "inner", "scaled") in data.keys(True, True)
+            plain = rb.sample()
+            assert unpinned(plain, fake_pinning.is_pinned) == []
+    finally:
+        rb.shutdown()
+
+
+def test_the_check_catches_torchrl_pinning_too_early(
+    fake_pinning: FakePinning, monkeypatch: pytest.MonkeyPatch
+):
+    """Negative control: TorchRL's own order (pin, then add metadata) fails the same check."""
+
+    def torchrl_pin(output: Any) -> Any:  # torchrl.data.replay_buffers.utils._pin_memory
+        if hasattr(output, "pin_memory") and output.device == torch.device("cpu"):
+            return _pinning.pin_tree(output)
+        return output
+
+    monkeypatch.setattr(torchrl_rb_utils, "_pin_memory", torchrl_pin)
+    rb = make_buffer(TorchRLBuffer, "torchrl-slice", pin_memory=True)
+    escaped = unpinned(rb.sample(), fake_pinning.is_pinned)
+    assert ("index",) in escaped and (("next", "truncated"),) in escaped
+    assert ("obs",) not in escaped  # the data itself was pinned
+
+    rb = make_buffer(TorchRLBuffer, "random", pin_memory=True, transform=device_none_transform)
+    escaped = unpinned(rb.sample(), fake_pinning.is_pinned)
+    assert {("obs",), ("twice",), (("deep", "inner", "scaled"),), ("index",)} <= set(escaped)
+
+
+def test_pinning_happens_in_the_prefetch_thread(fake_pinning: FakePinning):
+    rb = make_buffer(
+        TensorDictReplayBuffer,
+        "torchrl-slice",
+        pin_memory=True,
+        prefetch=3,
+        transform=device_none_transform,
+    )
+    try:
+        rb.sample()  # empty queue: this one is built in the caller's thread
+        rb.synchronize()
+        fake_pinning.threads.clear()
+        for _ in range(5):
+            data = rb.sample()
+            assert unpinned(data, fake_pinning.is_pinned) == []
+        rb.synchronize()
+        assert fake_pinning.calls > 0
+        assert threading.main_thread() not in fake_pinning.threads
+    finally:
+        rb.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["random", "torchrl-slice", "torchrl-prioritized"])
+@pytest.mark.parametrize("pinning", [False, True])
+def test_samples_equal_torchrl(kind: str, pinning: bool, request: pytest.FixtureRequest):
+    """Same seed, same workload: the same values as TorchRL's buffer without pinning."""
+    if pinning:
+        request.getfixturevalue("fake_pinning")
+    ours = make_buffer(TensorDictReplayBuffer, kind, pin_memory=pinning, generator=generator(1))
+    got = [ours.sample(return_info=True) for _ in range(3)]
+    ref = make_buffer(TorchRLBuffer, kind, generator=generator(1))
+    want = [ref.sample(return_info=True) for _ in range(3)]
+    for (data, info), (ref_data, ref_info) in zip(got, want, strict=True):
+        assert_same_sample(data, ref_data)
+        assert set(info) == set(ref_info)
+        for (_, a), (_, b) in zip(tensor_leaves(info), tensor_leaves(ref_info), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@requires_torchrl_ext
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_prioritized_buffer_pins_weights_and_matches_torchrl(
+    fake_pinning: FakePinning, prefetch: int | None
+):
+    kwargs = {"alpha": 0.7, "beta": 0.5, "batch_size": 12}
+    ours = TensorDictPrioritizedReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY),
+        pin_memory=True,
+        prefetch=prefetch,
+        generator=generator(2),
+        **kwargs,
+    )
+    ref = TorchRLPrioritizedBuffer(
+        storage=LazyTensorStorage(CAPACITY), generator=generator(2), **kwargs
+    )
+    for rb in (ours, ref):
+        rb.extend(make_data()[:32])
+        rb.extend(make_data()[32:])
+    try:
+        for _ in range(3):
+            data, info = ours.sample(return_info=True)
+            assert unpinned((data, info), fake_pinning.is_pinned) == []
+            assert {"index", "priority_weight"} <= set(data.keys())
+            priority = (data["obs"] % 7 + 1).float()
+            if prefetch is None:
+                ref_data = ref.sample()
+                assert_same_sample(data, ref_data)
+                ref.update_priority(ref_data["index"], priority)
+            data.set("td_error", priority)
+            ours.update_tensordict_priority(data)
+    finally:
+        ours.shutdown()
+
+
+def test_prioritized_buffer_rejects_bad_pin_memory_before_building_anything():
+    # Validation runs before TorchRL builds its (compiled) sampler, so it works everywhere.
+    with pytest.raises(TypeError, match=r"pin_memory must be a bool, got 1 of type int"):
+        TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory=1)
+
+
+def test_getitem_is_pinned(fake_pinning: FakePinning):
+    rb = make_buffer(
+        TensorDictReplayBuffer, "random", pin_memory=True, transform=device_none_transform
+    )
+    assert unpinned(rb[3:9], fake_pinning.is_pinned) == []
+    assert unpinned(rb["obs"], fake_pinning.is_pinned) == []
+
+
+def test_list_storage_and_include_info_false(fake_pinning: FakePinning):
+    rb = make_buffer(TensorDictReplayBuffer, "random", pin_memory=True, storage=ListStorage(30))
+    data = rb.sample()
+    assert "index" in data and unpinned(data, fake_pinning.is_pinned) == []
+    with pytest.warns(UserWarning, match="include_info is going to be deprecated"):
+        bare = rb.sample(include_info=False)
+    assert "index" not in bare and unpinned(bare, fake_pinning.is_pinned) == []
+
+
+def test_non_tensordict_data_raises_like_torchrl():
+    rb = make_buffer(TensorDictReplayBuffer, "random", collate_fn=lambda td: td["obs"])
+    with pytest.raises(RuntimeError, match="Cannot include info in non-tensordict data"):
+        rb.sample()
+
+
+# ----------------------------------------------------------------------------- no accelerator
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize("kind", ["random", "torchrl-slice"])
+def test_no_accelerator_warns_once_then_samples_unpinned(kind: str):
+    with pytest.warns(UserWarning, match="no accelerator is found") as record:
+        rb = make_buffer(
+            TensorDictReplayBuffer, kind, pin_memory=True, prefetch=2, generator=generator(3)
+        )
+    assert len(record) == 1 and record[0].filename == __file__  # stacklevel: the user's line
+    assert rb.pin_memory is True and rb.pins is False
+    ref = make_buffer(TorchRLBuffer, kind, generator=generator(3))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning, from any thread
+            first = rb.sample()
+            assert set(first.keys(True, True)) >= EXPECTED_METADATA[kind]
+            assert_same_sample(first, ref.sample())
+            for _ in range(3):
+                rb.sample()
+    finally:
+        rb.shutdown()
+
+
+@pytest.mark.skipif(_pinning.pinning_available(), reason="this machine has an accelerator")
+def test_cpu_only_machine_for_real():
+    """No monkeypatching: TorchRL crashes here, fastreplay warns and samples."""
+    torchrl_rb = make_buffer(TorchRLBuffer, "torchrl-slice", pin_memory=True)
+    with pytest.raises(RuntimeError, match=r"accelerator|NVIDIA driver"):
+        torchrl_rb.sample()
+    with pytest.warns(UserWarning, match="no accelerator"):
+        rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice", pin_memory=True, prefetch=2)
+    try:
+        for _ in range(3):
+            data, info = rb.sample(return_info=True)
+            assert_slices_consistent(data)
+            assert not data["obs"].is_pinned() and not info["index"][0].is_pinned()
+    finally:
+        rb.shutdown()
+
+
+def test_plain_buffer_never_touches_pinning(no_accelerator: None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice")
+        assert rb.pin_memory is False and rb.pins is False and rb.device is None
+        assert_slices_consistent(rb.sample())
+
+
+# ----------------------------------------------------------------------------- device=
+
+
+def test_device_pins_then_moves_without_blocking(
+    fake_pinning: FakePinning, monkeypatch: pytest.MonkeyPatch
+):
+    moves = []
+    real_move = _pinning.move_tree
+
+    def spy(tree: Any, device: torch.device) -> Any:
+        moves.append((unpinned(tree, fake_pinning.is_pinned), device))
+        return real_move(tree, device)
+
+    monkeypatch.setattr(_pinning, "move_tree", spy)
+    rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice", pin_memory=True, device="cpu")
+    assert rb.device == torch.device("cpu")
+    data = rb.sample()
+    assert moves == [([], torch.device("cpu"))]  # everything was pinned before the move
+    assert data.device == torch.device("cpu")
+    assert unpinned(data, fake_pinning.is_pinned) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (1, TypeError, r"pin_memory must be a bool, got 1 of type int; pass pin_memory=True"),
+        ("yes", TypeError, r"pin_memory must be a bool, got 'yes' of type str"),
+        (None, TypeError, r"pin_memory must be a bool, got None of type NoneType"),
+    ],
+)
+def test_bad_pin_memory(value: Any, error: type, match: str):
+    with pytest.raises(error, match=match):
+        TensorDictReplayBuffer(storage=LazyTensorStorage(10), pin_memory=value)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("gpu", ValueError, r"device='gpu' is not a device torch knows .*pass e.g. device='cuda'"),
+        ("cuda:99", ValueError, r"device='cuda:99': (no cuda device|this machine has \d+ cuda)"),
+        (1.5, TypeError, r"device must be None, a str, an int or a torch.device, got 1.5"),
+        (True, TypeError, r"device must be None, a str, an int or a torch.device, got True"),
+    ],
+)
+def test_bad_device(value: Any, error: type, match: str):
+    with pytest.raises(error, match=match):
+        TensorDictReplayBuffer(storage=LazyTensorStorage(10), device=value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available on this machine")
+def test_cuda_device_without_cuda_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"device='cuda': no cuda device is available"):
+        TensorDictReplayBuffer(storage=LazyTensorStorage(10), device="cuda")
+
+
+# ----------------------------------------------------------------------------- real CUDA
+
+
+def _real_unpinned(obj: Any) -> list[tuple]:
+    return unpinned(obj, lambda t: t.is_pinned())
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["random", "torchrl-slice", "fastreplay-slice"])
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_cuda_every_leaf_is_pinned(kind: str, prefetch: int | None):
+    rb = make_buffer(
+        TensorDictReplayBuffer,
+        kind,
+        pin_memory=True,
+        prefetch=prefetch,
+        transform=device_none_transform,
+    )
+    try:
+        for _ in range(3):
+            data, info = rb.sample(return_info=True)
+            assert _real_unpinned((data, info)) == []
+            assert data.get_non_tensor("tag") == "kept"
+            assert_slices_consistent(data)
+    finally:
+        rb.shutdown()
+
+
+@requires_cuda
+@requires_torchrl_ext
+def test_cuda_prioritized_every_leaf_is_pinned():
+    rb = TensorDictPrioritizedReplayBuffer(
+        alpha=0.7, beta=0.5, storage=LazyTensorStorage(CAPACITY), batch_size=12, pin_memory=True
+    )
+    rb.extend(make_data())
+    data, info = rb.sample(return_info=True)
+    assert _real_unpinned((data, info)) == []
+    assert data["priority_weight"].is_pinned()
+
+
+@requires_cuda
+def test_cuda_pinned_and_device_tensors_are_not_copied():
+    pinned = torch.arange(4).pin_memory()
+    on_cuda = torch.arange(4, device="cuda")
+    tree = {"pinned": pinned, "cuda": on_cuda, "host": torch.arange(4)}
+    out = _pinning.pin_tree(tree)
+    assert out["pinned"] is pinned and out["cuda"] is on_cuda and out["host"].is_pinned()
+
+
+@requires_cuda
+def test_cuda_device_delivers_device_tensors():
+    rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice", device="cuda", generator=generator(4))
+    ref = make_buffer(TorchRLBuffer, "torchrl-slice", generator=generator(4))
+    try:
+        data, info = rb.sample(return_info=True)
+        assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
+        assert _real_unpinned(info) == []
+        assert_same_sample(data.cpu(), ref.sample())
+    finally:
+        rb.shutdown()
+
+
+@requires_cuda
+def test_cuda_storage_is_left_on_cuda():
+    rb = make_buffer(
+        TensorDictReplayBuffer,
+        "random",
+        pin_memory=True,
+        storage=LazyTensorStorage(CAPACITY, device="cuda"),
+    )
+    data = rb.sample()
+    assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
