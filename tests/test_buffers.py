@@ -320,6 +320,9 @@ def test_every_leaf_reaches_pinning(fake_pinning: FakePinning, kind: str, mode: 
                 assert ("deep", "inner", "scaled") in data.keys(True, True)
             plain = rb.sample()
             assert unpinned(plain, fake_pinning.is_pinned) == []
+            # The stage that runs in the prefetch thread already returns everything pinned
+            # (the caller-thread pass in ``sample`` is only a safety net).
+            assert unpinned(rb._sample(12), fake_pinning.is_pinned) == []
     finally:
         rb.shutdown()
 
@@ -625,3 +628,18 @@ def test_cuda_storage_is_left_on_cuda():
     )
     data = rb.sample()
     assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
+
+
+def test_restored_prefetch_queue_is_pinned(fake_pinning: FakePinning):
+    """TorchRL checkpoints prefetched samples as (unpinned) clones; they come back pinned."""
+    rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice", pin_memory=True, prefetch=2)
+    other = make_buffer(TensorDictReplayBuffer, "torchrl-slice", pin_memory=True, prefetch=2)
+    try:
+        rb.sample()
+        other.load_state_dict(rb.state_dict())
+        for _ in range(3):
+            data, info = other.sample(return_info=True)
+            assert unpinned((data, info), fake_pinning.is_pinned) == []
+    finally:
+        rb.shutdown()
+        other.shutdown()

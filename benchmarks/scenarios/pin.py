@@ -1,0 +1,96 @@
+"""Host-to-device delivery of a sample: fastreplay's pinned buffer vs TorchRL's.
+
+Only meaningful with CUDA: without it this scenario prints a note and returns no results.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage
+from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
+
+from benchmarks.harness import Result, median_seconds, parse_count
+from fastreplay import TensorDictReplayBuffer
+
+NAME = "pin"
+DESCRIPTION = "sample + copy to CUDA of uint8 pixel batches (needs CUDA; skipped without it)"
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--pin-batch", type=parse_count, default=256, help="samples per batch")
+    group.add_argument("--pin-size", type=parse_count, default=2048, help="items stored")
+    group.add_argument(
+        "--pin-shape", default="84x84x3", help="pixel shape per item, e.g. 84x84x3 (uint8)"
+    )
+
+
+def _device_transform(td: TensorDict) -> TensorDict:
+    # A transform returning a ``device=None`` TensorDict: TorchRL 0.14.1 does not pin it.
+    return TensorDict(pixels=td["pixels"], step=td["step"], batch_size=td.batch_size)
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    if not torch.cuda.is_available():
+        print("  no CUDA device: pinned-memory copies cannot be measured here (no results)")
+        return []
+    shape = tuple(int(s) for s in args.pin_shape.split("x"))
+    n, batch = args.pin_size, args.pin_batch
+    gen = torch.Generator().manual_seed(args.seed)
+    data = TensorDict(
+        pixels=torch.randint(0, 255, (n, *shape), dtype=torch.uint8, generator=gen),
+        step=torch.arange(n),
+        batch_size=[n],
+    )
+    cuda = torch.device("cuda")
+    results = []
+    for case, transform in (("plain", None), ("device=None transform", _device_transform)):
+        torchrl_rb = TorchRLBuffer(
+            storage=LazyTensorStorage(n),
+            batch_size=batch,
+            pin_memory=True,
+            transform=transform,
+            generator=torch.Generator().manual_seed(1),
+        )
+        ours = TensorDictReplayBuffer(
+            storage=LazyTensorStorage(n),
+            batch_size=batch,
+            pin_memory=True,
+            device=cuda,
+            transform=transform,
+            generator=torch.Generator().manual_seed(1),
+        )
+        torchrl_rb.extend(data)
+        ours.extend(data)
+
+        def torchrl_step(rb: TorchRLBuffer = torchrl_rb) -> TensorDict:
+            out = rb.sample().to(cuda, non_blocking=True)
+            torch.cuda.synchronize()
+            return out
+
+        def ours_step(rb: TensorDictReplayBuffer = ours) -> TensorDict:
+            out = rb.sample()
+            torch.cuda.synchronize()
+            return out
+
+        a, b = torchrl_step(), ours_step()  # same generator seed: the same indices
+        correct = (
+            b["pixels"].device.type == "cuda"
+            and torch.equal(a["pixels"].cpu(), b["pixels"].cpu())
+            and torch.equal(b["pixels"].cpu(), data["pixels"][b["step"].cpu()])
+        )
+        t_torchrl = median_seconds(torchrl_step, repeats=args.repeats)
+        t_ours = median_seconds(ours_step, repeats=args.repeats)
+        results.append(
+            Result(
+                scenario=NAME,
+                case=f"{case}, {batch}x{args.pin_shape} uint8",
+                fastreplay_s=t_ours,
+                torchrl_s=t_torchrl,
+                correct=bool(correct),
+                params={"batch": batch, "stored": n, "shape": args.pin_shape},
+            )
+        )
+    return results
