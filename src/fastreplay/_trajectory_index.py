@@ -82,8 +82,9 @@ class _Column:
         return int(self.trajs.data[self.trajs.head, 0])
 
     def append(self, first_row: int, starts: np.ndarray, rows: int) -> None:
-        """Record ``len(starts)`` rows written from ``first_row``; ``starts[i]``: row i begins a
-        trajectory. Cost ``O(len(starts) + trajectories created)``.
+        """Record ``len(starts)`` rows written from ``first_row``.
+
+        ``starts[i]`` says row ``i`` begins a trajectory. Cost ``O(len(starts) + created)``.
         """
         n = starts.shape[0]
         if self.trajs.count == 0:
@@ -250,8 +251,9 @@ class TrajectoryIndex:
         return starts
 
     def _rotation_of(self, c: int, min_length: int) -> int:
-        """Eligible trajectories of column ``c`` whose stop row is after the cursor: they come
-        last in TorchRL's order (sorted by stop row). ``O(log n)`` binary search, cached.
+        """Eligible trajectories of column ``c`` whose stop row is after the cursor.
+
+        They come last in TorchRL's order (sorted by stop row). ``O(log n)``, cached.
         """
         key = (c, min_length)
         if key not in self._rotation:

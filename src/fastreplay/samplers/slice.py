@@ -16,6 +16,19 @@ __all__ = ["SliceSampler"]
 _READ_CHUNK = 1 << 24  # rows read at once when rebuilding from the whole storage
 
 
+class _KeyProbe:
+    """``key in probe``: O(1) membership test on a TensorDict; lists the keys for messages."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __contains__(self, key: Any) -> bool:
+        return self.data.get(key, default=None) is not None
+
+    def __iter__(self) -> Any:
+        return iter(self.data.keys(include_nested=True, leaves_only=True))
+
+
 class SliceSamplerError(ValueError, RuntimeError):
     """Bad sampling request; a ``ValueError`` that TorchRL-style ``RuntimeError`` handlers catch."""
 
@@ -132,7 +145,7 @@ class SliceSampler(_TorchRLSliceSampler):
             )
         if getattr(self, "_traj_key_auto", False):
             self._resolve_traj_key(storage)
-        keys = set(data.keys(include_nested=True, leaves_only=True))
+        keys = _KeyProbe(data)
         if self._fetch_traj:
             if self._used_traj_key in keys:
                 return "ids", (self._used_traj_key,)
@@ -190,8 +203,10 @@ class SliceSampler(_TorchRLSliceSampler):
         return out.numpy()
 
     def _fr_sync(self, storage: Any) -> TrajectoryIndex:
-        """Bring the index up to date with ``storage``: ``O(items written since last call)``,
-        or one ``O(items stored)`` rebuild after unreported writes.
+        """Bring the index up to date with ``storage``.
+
+        ``O(items written since the last call)``, or one ``O(items stored)`` rebuild after
+        unreported writes.
         """
         mode, keys = self._fr_signal_keys(storage)
         leaves = self._fr_leaves(storage, mode, keys)
@@ -215,7 +230,10 @@ class SliceSampler(_TorchRLSliceSampler):
                 if not incremental:
                     raise ValueError("rebuild")
                 for first, n in self._fr_pending:
-                    index.write(first, self._fr_read(leaves, first, n, rows))
+                    for offset in range(0, n, _READ_CHUNK):
+                        row = (first + offset) % rows
+                        chunk = min(_READ_CHUNK, n - offset)
+                        index.write(row, self._fr_read(leaves, row, chunk, rows))
                 if not self._fr_matches(index, storage):
                     raise ValueError("rebuild")
             except ValueError:
