@@ -67,9 +67,7 @@ def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int, end: s
 
 def _hwm_bytes() -> tuple[int, int]:
     """(peak RSS, current RSS) in bytes, from /proc/self/status."""
-    fields = dict(
-        line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
-    )
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
     return int(fields["VmHWM"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
 
 
@@ -77,7 +75,7 @@ def _peak_extra_bytes(fn) -> int | None:
     """Peak RSS growth while ``fn`` runs (Linux: resets the high-water mark first)."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        hwm, rss = _hwm_bytes()
+        _, rss = _hwm_bytes()
         fn()
         hwm_after, _ = _hwm_bytes()
         return max(hwm_after - rss, 0)
@@ -106,9 +104,9 @@ def run(args: argparse.Namespace) -> list[Result]:
 
             fast.sample(storage, batch)  # first sample: indexes the fill (untimed, like
             static.sample(storage, batch)  # TorchRL's cache fill)
-            t_fast_static = median_seconds(lambda f=fast: f.sample(storage, batch), repeats=25)
-            t_tr_static = median_seconds(lambda s=static: s.sample(storage, batch), repeats=25)
-            extra = _peak_extra_bytes(lambda f=fast: f.sample(storage, batch))
+            t_fast_static = median_seconds(lambda f=fast, s=storage: f.sample(s, batch), repeats=25)
+            t_tr_static = median_seconds(lambda t=static, s=storage: t.sample(s, batch), repeats=25)
+            extra = _peak_extra_bytes(lambda f=fast, s=storage: f.sample(s, batch))
 
             # Same seed, same storage: bit-identical indices, all slices inside one trajectory.
             write_1000()
@@ -117,17 +115,17 @@ def run(args: argparse.Namespace) -> list[Result]:
             idx_fast, _ = fast.sample(storage, batch)
             idx_tr, _ = online.sample(storage, batch)
             fast._rng = online._rng = None
-            correct = all(torch.equal(a, b) for a, b in zip(idx_fast, idx_tr))
+            correct = all(torch.equal(a, b) for a, b in zip(idx_fast, idx_tr, strict=True))
             correct &= _slices_ok(storage, idx_fast, args.num_slices, end)
             correct &= _slices_ok(storage, idx_tr, args.num_slices, end)
 
-            def online_fast(f=fast, w=write_1000) -> None:
+            def online_fast(f=fast, w=write_1000, s=storage) -> None:
                 w()
-                f.sample(storage, batch)
+                f.sample(s, batch)
 
-            def online_tr(o=online, w=write_1000) -> None:
+            def online_tr(o=online, w=write_1000, s=storage) -> None:
                 w()
-                o.sample(storage, batch)
+                o.sample(s, batch)
 
             repeats = max(3, min(args.repeats, 7))
             t_fast_online = median_seconds(online_fast, repeats=25)
@@ -158,7 +156,7 @@ def run(args: argparse.Namespace) -> list[Result]:
                 f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'}",
                 flush=True,
             )
-            del rb, storage, fast, online, static
+            del rb, fast, online, static
     return results
 
 

@@ -29,6 +29,13 @@ class _KeyProbe:
         return iter(self.data.keys(include_nested=True, leaves_only=True))
 
 
+class MissingKeyError(KeyError):
+    """A boundary key is missing from the storage (``str`` shows the message unquoted)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class SliceSamplerError(ValueError, RuntimeError):
     """Bad sampling request; a ``ValueError`` that TorchRL-style ``RuntimeError`` handlers catch."""
 
@@ -153,7 +160,7 @@ class SliceSampler(_TorchRLSliceSampler):
             if any(k in keys for k in end_keys):
                 self._fetch_traj = False  # TorchRL falls back to end_key the same way
                 return "done", tuple(k for k in end_keys if k in keys)
-            raise KeyError(
+            raise MissingKeyError(
                 f"traj_key={self._used_traj_key!r} is not in the storage (keys: "
                 f"{sorted(map(str, keys))}), nor is end_key={self.end_key!r}; pass the key "
                 "that holds trajectory ids (traj_key=...) or done flags (end_key=...)."
@@ -162,7 +169,7 @@ class SliceSampler(_TorchRLSliceSampler):
         present = tuple(k for k in end_keys if k in keys)
         if not present:
             name = "end_keys" if self.end_keys else "end_key"
-            raise KeyError(
+            raise MissingKeyError(
                 f"{name}={self.end_keys or self.end_key!r} is not in the storage (keys: "
                 f"{sorted(map(str, keys))}); pass the key holding done flags ({name}=...) or "
                 "trajectory ids (traj_key=...)."
