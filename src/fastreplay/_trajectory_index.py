@@ -141,6 +141,8 @@ class _Column:
 
     def eligible_records(self, min_length: int, logical: np.ndarray) -> np.ndarray:
         """Records of the eligible trajectories at age-order positions ``logical``."""
+        if min_length <= 1:  # every trajectory: no eligibility ring needed
+            return self.trajs.take(logical)
         queue = self.queue(min_length)
         in_queue = logical < queue.count
         serials = np.full(logical.shape, int(self.last()[0]), dtype=np.int64)
@@ -148,8 +150,8 @@ class _Column:
         return self.trajs.take(serials - self.first_serial())
 
     def eligible_count(self, min_length: int) -> int:
-        if not self.trajs.count:
-            return 0
+        if not self.trajs.count or min_length <= 1:
+            return self.trajs.count
         return self.queue(min_length).count + int(self.last()[2] >= min_length)
 
 
