@@ -10,10 +10,12 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 from __future__ import annotations
 
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from fastreplay.samplers.slice import SliceSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SliceSampler",
     "TensorDictPrioritizedReplayBuffer",
     "TensorDictReplayBuffer",
     "__version__",

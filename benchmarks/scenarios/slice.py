@@ -1,0 +1,169 @@
+"""SliceSampler: fastreplay vs TorchRL on a large, partly filled storage (pytorch/rl #2669).
+
+One ``LazyTensorStorage`` holding only the boundary key (``("next", "done")`` flags or
+``"traj"`` ids) is shared by both samplers. Cases:
+
+* ``static``: no writes between samples; TorchRL uses ``cache_values=True``.
+* ``online``: ``extend(1000)`` then ``sample``, timed together (the extend is the same code for
+  both; each write bumps the storage revision, so TorchRL rescans the storage).
+
+Both samplers get the same seed before one online sample: their indices must be identical, and
+every slice must stay inside one trajectory.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.data import SliceSampler as TorchRLSliceSampler
+
+from benchmarks.harness import Result, fmt_count, median_seconds, parse_count, progress
+from fastreplay import SliceSampler
+
+NAME = "slice"
+DESCRIPTION = "SliceSampler at large capacity, static and online (extend 1000 + sample)"
+
+_CHUNK = 1 << 23
+_DONE = ("next", "done")
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--capacity", default="6M", help="storage capacity (default 6M)")
+    group.add_argument("--stored", default="5M", help="items stored (default 5M)")
+    group.add_argument("--episode-len", default="1000,50", help="episode lengths (default 1000,50)")
+    group.add_argument("--end", default="done,traj", help="boundary keys: done,traj")
+    group.add_argument("--num-slices", type=int, default=256)
+    group.add_argument("--slice-len", type=int, default=32)
+
+
+def _fill(rb: ReplayBuffer, stored: int, episode_len: int, end: str, offset: int = 0) -> None:
+    with progress(stored, f"fill {fmt_count(stored)} ({end}, episodes of {episode_len})") as bar:
+        for lo in range(0, stored, _CHUNK):
+            steps = torch.arange(offset + lo, offset + min(lo + _CHUNK, stored))
+            if end == "done":
+                td = TensorDict({_DONE: (steps % episode_len == episode_len - 1)[:, None]})
+            else:
+                td = TensorDict({"traj": steps // episode_len})
+            td.batch_size = [steps.numel()]
+            rb.extend(td)
+            bar(steps.numel())
+
+
+def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int, end: str) -> bool:
+    rows = index[0].view(num_slices, -1)
+    step = (rows[:, 1:] - rows[:, :-1]) % storage._storage.shape[0]
+    if not bool((step == 1).all()):
+        return False
+    if end == "done":  # a done flag may only sit on the last step of a slice
+        done = storage._storage.get(_DONE)[index[0]].view(num_slices, -1)
+        return not bool(done[:, :-1].any())
+    traj = storage._storage.get("traj")[index[0]].view(num_slices, -1)
+    return bool((traj == traj[:, :1]).all())
+
+
+def _hwm_bytes() -> tuple[int, int]:
+    """(peak RSS, current RSS) in bytes, from /proc/self/status."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(fields["VmHWM"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
+
+
+def _peak_extra_bytes(fn) -> int | None:
+    """Peak RSS growth while ``fn`` runs (Linux: resets the high-water mark first)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        _, rss = _hwm_bytes()
+        fn()
+        hwm_after, _ = _hwm_bytes()
+        return max(hwm_after - rss, 0)
+    except OSError:
+        return None
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    capacity, stored = parse_count(args.capacity), parse_count(args.stored)
+    batch = args.num_slices * args.slice_len
+    results = []
+    for end in [e.strip() for e in args.end.split(",") if e.strip()]:
+        for episode_len in [parse_count(x) for x in args.episode_len.split(",")]:
+            key = {"end_key": _DONE} if end == "done" else {"traj_key": "traj"}
+            storage = LazyTensorStorage(capacity)
+            fast = SliceSampler(num_slices=args.num_slices, **key)
+            rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=batch)
+            _fill(rb, stored, episode_len, end)
+            online = TorchRLSliceSampler(num_slices=args.num_slices, **key)
+            static = TorchRLSliceSampler(num_slices=args.num_slices, cache_values=True, **key)
+            written = [stored]
+
+            def write_1000(rb=rb, episode_len=episode_len, end=end, written=written) -> None:
+                _fill_quiet(rb, 1000, episode_len, end, written[0])
+                written[0] += 1000
+
+            fast.sample(storage, batch)  # first sample: indexes the fill (untimed, like
+            static.sample(storage, batch)  # TorchRL's cache fill)
+            t_fast_static = median_seconds(lambda f=fast, s=storage: f.sample(s, batch), repeats=25)
+            t_tr_static = median_seconds(lambda t=static, s=storage: t.sample(s, batch), repeats=25)
+            extra = _peak_extra_bytes(lambda f=fast, s=storage: f.sample(s, batch))
+
+            # Same seed, same storage: bit-identical indices, all slices inside one trajectory.
+            write_1000()
+            fast._rng = torch.Generator().manual_seed(args.seed)
+            online._rng = torch.Generator().manual_seed(args.seed)
+            idx_fast, _ = fast.sample(storage, batch)
+            idx_tr, _ = online.sample(storage, batch)
+            fast._rng = online._rng = None
+            correct = all(torch.equal(a, b) for a, b in zip(idx_fast, idx_tr, strict=True))
+            correct &= _slices_ok(storage, idx_fast, args.num_slices, end)
+            correct &= _slices_ok(storage, idx_tr, args.num_slices, end)
+
+            def online_fast(f=fast, w=write_1000, s=storage) -> None:
+                w()
+                f.sample(s, batch)
+
+            def online_tr(o=online, w=write_1000, s=storage) -> None:
+                w()
+                o.sample(s, batch)
+
+            repeats = max(3, min(args.repeats, 7))
+            t_fast_online = median_seconds(online_fast, repeats=25)
+            t_tr_online = median_seconds(online_tr, repeats=repeats)
+            params = {
+                "capacity": capacity,
+                "stored": stored,
+                "episode_len": episode_len,
+                "end": end,
+                "num_slices": args.num_slices,
+                "slice_len": args.slice_len,
+            }
+            size = f"{fmt_count(capacity)}/{fmt_count(stored)} ep{episode_len} {end}"
+            info = {
+                "index_bytes": fast._fr_index.nbytes(),
+                "trajectories": fast._fr_index.num_trajectories,
+                "sample_peak_extra_bytes": extra,
+            }
+            results.append(
+                Result(NAME, f"{size} static", t_fast_static, t_tr_static, correct, params, info)
+            )
+            results.append(
+                Result(NAME, f"{size} online", t_fast_online, t_tr_online, correct, params, info)
+            )
+            print(
+                f"  {size}: index {info['index_bytes'] / 2**20:.1f} MiB for "
+                f"{info['trajectories']:,} trajectories; sample peak extra RSS "
+                f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'}",
+                flush=True,
+            )
+            del rb, fast, online, static
+    return results
+
+
+def _fill_quiet(rb: ReplayBuffer, n: int, episode_len: int, end: str, offset: int) -> None:
+    steps = torch.arange(offset, offset + n)
+    if end == "done":
+        td = TensorDict({_DONE: (steps % episode_len == episode_len - 1)[:, None]}, [n])
+    else:
+        td = TensorDict({"traj": steps // episode_len}, [n])
+    rb.extend(td)

@@ -1,0 +1,313 @@
+"""Incremental trajectory-boundary index over a circular storage (pure core, no TorchRL).
+
+The storage is viewed as ``rows`` time rows (dim 0, circular) times ``columns`` independent
+columns (the flattened trailing batch dims of an ``ndim > 1`` storage, e.g. parallel
+environments). Rows are written sequentially, wrapping at ``rows``. Each column keeps its
+trajectories in age order in a growable ring, so that:
+
+* a write of ``n`` rows costs ``O(n * columns)`` (plus ``O(1)`` amortised per trajectory
+  created or overwritten), never ``O(rows)``;
+* memory is ``O(number of trajectories)``;
+* the ``k``-th trajectory in TorchRL's order (column-major, then by stop row) is found in
+  ``O(1)`` after an ``O(log n)`` search per column, so sampling costs ``O(batch)``.
+
+The boundaries are exactly those ``torchrl.data.SliceSampler`` recovers from the whole storage:
+the last written row (the cursor) ends a trajectory, the row after it starts one, and a
+trajectory may run across the end of the storage back to row 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["TrajectoryIndex"]
+
+
+class _Ring:
+    """Growable FIFO ring of ``int64`` records with ``width`` fields (amortised O(1) ops)."""
+
+    def __init__(self, width: int, capacity: int = 16) -> None:
+        self.data = np.empty((capacity, width), dtype=np.int64)
+        self.head = 0
+        self.count = 0
+
+    def _grow(self, needed: int) -> None:
+        cap = self.data.shape[0]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        new = np.empty((new_cap, self.data.shape[1]), dtype=np.int64)
+        new[: self.count] = self.take(np.arange(self.count))
+        self.data, self.head = new, 0
+
+    def push(self, records: np.ndarray) -> None:
+        """Append ``records`` (shape ``[k, width]``) at the back."""
+        k = records.shape[0]
+        if not k:
+            return
+        self._grow(self.count + k)
+        slots = (self.head + self.count + np.arange(k)) % self.data.shape[0]
+        self.data[slots] = records
+        self.count += k
+
+    def pop(self, k: int) -> None:
+        """Drop the ``k`` oldest records."""
+        self.head = (self.head + k) % self.data.shape[0]
+        self.count -= k
+
+    def slot(self, i: int) -> int:
+        return (self.head + i) % self.data.shape[0]
+
+    def take(self, logical: np.ndarray) -> np.ndarray:
+        """Records at logical positions ``logical`` (0 is the oldest)."""
+        return self.data[(self.head + logical) % self.data.shape[0]]
+
+
+class _Column:
+    """Trajectories of one column: ring of ``(serial, start_row, length)`` in age order."""
+
+    def __init__(self) -> None:
+        self.trajs = _Ring(3)
+        self.next_serial = 0
+        self.closed = True  # done mode: whether the last written row ended its trajectory
+        self.last_id = 0  # ids mode: trajectory id of the last written row
+        # min_length -> ring of serials of *closed* trajectories (all but the newest) that
+        # are at least min_length long, in age order.
+        self.eligible: dict[int, _Ring] = {}
+
+    def last(self) -> np.ndarray:
+        return self.trajs.data[self.trajs.slot(self.trajs.count - 1)]
+
+    def first_serial(self) -> int:
+        return int(self.trajs.data[self.trajs.head, 0])
+
+    def append(self, first_row: int, starts: np.ndarray, rows: int) -> None:
+        """Record ``len(starts)`` rows written from ``first_row``.
+
+        ``starts[i]`` says row ``i`` begins a trajectory. Cost ``O(len(starts) + created)``.
+        """
+        n = starts.shape[0]
+        if self.trajs.count == 0:
+            starts[0] = True
+        pos = np.flatnonzero(starts)
+        head_rows = int(pos[0]) if pos.size else n
+        if head_rows:  # rows continuing the newest trajectory
+            self.trajs.data[self.trajs.slot(self.trajs.count - 1), 2] += head_rows
+        if not pos.size:
+            return
+        k = pos.size
+        lengths = np.diff(np.append(pos, n))
+        serials = self.next_serial + np.arange(k, dtype=np.int64)
+        new = np.stack([serials, (first_row + pos) % rows, lengths], 1)
+        # Trajectories closed by this write: the previous newest one, and all new but the last.
+        closed = new[:-1]
+        if self.trajs.count:
+            closed = np.concatenate([self.last()[None], closed])
+        self.trajs.push(new)
+        self.next_serial += k
+        for min_length, queue in self.eligible.items():
+            queue.push(closed[closed[:, 2] >= min_length, :1])
+
+    def trim(self, overflow: int, rows: int) -> None:
+        """Forget the ``overflow`` oldest rows (overwritten): ``O(trajectories removed)``."""
+        if overflow <= 0:
+            return
+        k = min(self.trajs.count, overflow)
+        cum = np.cumsum(self.trajs.take(np.arange(k))[:, 2])
+        removed = int(np.searchsorted(cum, overflow, side="right"))
+        self.trajs.pop(removed)
+        left = overflow - (int(cum[removed - 1]) if removed else 0)
+        slot = self.trajs.head
+        self.trajs.data[slot, 1] = (self.trajs.data[slot, 1] + left) % rows
+        self.trajs.data[slot, 2] -= left
+        first, head_len = self.first_serial(), int(self.trajs.data[slot, 2])
+        for min_length, queue in self.eligible.items():
+            front = queue.take(np.arange(min(queue.count, removed + 1)))[:, 0]
+            drop = int(np.searchsorted(front, first))
+            if drop < front.size and front[drop] == first and head_len < min_length:
+                drop += 1
+            queue.pop(drop)
+
+    def queue(self, min_length: int) -> _Ring:
+        """Eligible-serials ring for ``min_length``; built in ``O(n)`` on first use."""
+        queue = self.eligible.get(min_length)
+        if queue is None:
+            if len(self.eligible) >= 4:  # a sampler uses one or two lengths in practice
+                self.eligible.pop(next(iter(self.eligible)))
+            closed = self.trajs.take(np.arange(max(self.trajs.count - 1, 0)))
+            queue = self.eligible[min_length] = _Ring(1, max(16, closed.shape[0]))
+            queue.push(closed[closed[:, 2] >= min_length, :1])
+        return queue
+
+    def eligible_records(self, min_length: int, logical: np.ndarray) -> np.ndarray:
+        """Records of the eligible trajectories at age-order positions ``logical``."""
+        if min_length <= 1:  # every trajectory: no eligibility ring needed
+            return self.trajs.take(logical)
+        queue = self.queue(min_length)
+        in_queue = logical < queue.count
+        serials = np.full(logical.shape, int(self.last()[0]), dtype=np.int64)
+        serials[in_queue] = queue.take(logical[in_queue])[:, 0]
+        return self.trajs.take(serials - self.first_serial())
+
+    def eligible_count(self, min_length: int) -> int:
+        if not self.trajs.count or min_length <= 1:
+            return self.trajs.count
+        return self.queue(min_length).count + int(self.last()[2] >= min_length)
+
+
+class TrajectoryIndex:
+    """Trajectory boundaries of a circular ``[rows, columns]`` storage, updated per write.
+
+    Args:
+        rows: storage length along the time dimension (where writes wrap around).
+        columns: number of independent columns (product of the trailing batch dims).
+        mode: ``"done"`` (signals are end-of-trajectory flags) or ``"ids"`` (signals are
+            trajectory ids; a trajectory ends where the id changes).
+
+    Example:
+        >>> import numpy as np
+        >>> index = TrajectoryIndex(rows=10, columns=1, mode="done")
+        >>> done = np.zeros((13, 1), dtype=bool)
+        >>> done[[2, 7]] = True
+        >>> index.write(0, done)  # 13 rows into 10: rows 0-2 are written twice
+        >>> start, stop, length, column = index.boundaries()
+        >>> start.tolist(), stop.tolist(), length.tolist()
+        ([8, 3], [2, 7], [5, 5])
+    """
+
+    def __init__(self, rows: int, columns: int, mode: str) -> None:
+        if mode not in ("done", "ids"):
+            raise ValueError(f"mode must be 'done' or 'ids', got mode={mode!r}.")
+        self.rows, self.columns, self.mode = int(rows), int(columns), mode
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (an empty storage)."""
+        self.size = 0  # rows holding data
+        self.cursor = -1  # last written row
+        self.cols = [_Column() for _ in range(self.columns)]
+        self._rotation: dict[tuple[int, int], int] = {}
+
+    @property
+    def num_trajectories(self) -> int:
+        """Number of stored trajectories (all columns)."""
+        return sum(c.trajs.count for c in self.cols)
+
+    def nbytes(self) -> int:
+        """Bytes held by the index arrays (``O(number of trajectories)``)."""
+        return sum(
+            c.trajs.data.nbytes + sum(q.data.nbytes for q in c.eligible.values()) for c in self.cols
+        )
+
+    def write(self, first_row: int, signal: np.ndarray) -> None:
+        """Record rows ``first_row, first_row + 1, ...`` (mod ``rows``) written with ``signal``.
+
+        ``first_row`` must follow the last written row (``(cursor + 1) % rows``) or the index
+        must be empty. Cost ``O(len(signal) * columns)``.
+
+        Args:
+            first_row: first row written.
+            signal: ``[n, columns]`` done flags (bool) or trajectory ids (integers).
+        """
+        n = signal.shape[0]
+        if not n:
+            return
+        if self.size and first_row != (self.cursor + 1) % self.rows:
+            raise ValueError(
+                f"first_row={first_row} does not follow the last written row {self.cursor}; "
+                "call reset() and write the storage from its oldest row."
+            )
+        if n > self.rows:  # only the last `rows` rows survive
+            keep = signal[n - self.rows :]
+            prev = signal[n - self.rows - 1]
+            self.reset()
+            first_row = (first_row + n - self.rows) % self.rows
+            signal, n = keep, self.rows
+            starts = self._starts(signal, prev)
+        else:
+            starts = self._starts(signal, None)
+        for c, column in enumerate(self.cols):
+            column.append(first_row, starts[:, c], self.rows)
+        self.size += n
+        overflow = self.size - self.rows
+        if overflow > 0:
+            for column in self.cols:
+                column.trim(overflow, self.rows)
+            self.size = self.rows
+        self.cursor = (first_row + n - 1) % self.rows
+        self._rotation.clear()
+
+    def _starts(self, signal: np.ndarray, prev: np.ndarray | None) -> np.ndarray:
+        starts = np.empty(signal.shape, dtype=bool)
+        if self.mode == "done":
+            starts[1:] = signal[:-1]
+            starts[0] = prev if prev is not None else [c.closed for c in self.cols]
+            for c, column in enumerate(self.cols):
+                column.closed = bool(signal[-1, c])
+        else:
+            starts[1:] = signal[1:] != signal[:-1]
+            last = prev if prev is not None else np.array([c.last_id for c in self.cols])
+            starts[0] = signal[0] != last
+            for c, column in enumerate(self.cols):
+                column.last_id = signal[-1, c].item()
+        return starts
+
+    def _rotation_of(self, c: int, min_length: int) -> int:
+        """Eligible trajectories of column ``c`` whose stop row is after the cursor.
+
+        They come last in TorchRL's order (sorted by stop row). ``O(log n)``, cached.
+        """
+        key = (c, min_length)
+        if key not in self._rotation:
+            column = self.cols[c]
+            lo, hi = 0, column.eligible_count(min_length)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                _, start, length = column.eligible_records(min_length, np.array([mid]))[0]
+                if (start + length - 1) % self.rows > self.cursor:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            self._rotation[key] = lo
+        return self._rotation[key]
+
+    def counts(self, min_length: int) -> np.ndarray:
+        """Per-column number of trajectories at least ``min_length`` long (``O(columns)``)."""
+        return np.array([c.eligible_count(min_length) for c in self.cols], dtype=np.int64)
+
+    def select(self, ranks: np.ndarray, min_length: int) -> tuple[np.ndarray, ...]:
+        """Trajectories at ``ranks`` in TorchRL's order among those ``>= min_length`` long.
+
+        Cost ``O(len(ranks) + columns)`` (plus a cached ``O(log n)`` search per column).
+
+        Returns:
+            ``(start_row, length, column)`` arrays shaped like ``ranks``.
+        """
+        counts = self.counts(min_length)
+        ends = np.cumsum(counts)
+        col = np.searchsorted(ends, ranks, side="right")
+        local = ranks - (ends[col] - counts[col])
+        start = np.empty(ranks.shape, dtype=np.int64)
+        length = np.empty(ranks.shape, dtype=np.int64)
+        for c in np.unique(col).tolist():
+            mask = col == c
+            logical = (local[mask] + self._rotation_of(c, min_length)) % counts[c]
+            records = self.cols[c].eligible_records(min_length, logical)
+            start[mask], length[mask] = records[:, 1], records[:, 2]
+        return start, length, col
+
+    def boundaries(self) -> tuple[np.ndarray, ...]:
+        """All trajectories in TorchRL's order (``O(number of trajectories)``).
+
+        Returns:
+            ``(start_row, stop_row, length, column)`` arrays.
+        """
+        parts = []
+        for c, column in enumerate(self.cols):
+            n = column.trajs.count
+            logical = (np.arange(n) + self._rotation_of(c, 1)) % max(n, 1)
+            records = column.trajs.take(logical)
+            parts.append(np.stack([records[:, 1], records[:, 2], np.full(n, c)], 1))
+        allrec = np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.int64)
+        start, length, col = allrec[:, 0], allrec[:, 1], allrec[:, 2]
+        return start, (start + length - 1) % self.rows, length, col

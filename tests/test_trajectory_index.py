@@ -1,0 +1,96 @@
+"""The pure trajectory index against a one-shot recomputation over the whole storage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrl.data import find_start_stop_traj
+
+from fastreplay._trajectory_index import TrajectoryIndex
+
+
+def _reference(storage: np.ndarray, size: int, cursor: int, mode: str) -> list[tuple]:
+    """TorchRL's one-shot recovery over the stored rows, as sorted (col, start, stop, len)."""
+    data = torch.from_numpy(storage[:size])
+    full = size == storage.shape[0]
+    kw = {"trajectory": data} if mode == "ids" else {"end": data}
+    start, stop, length = find_start_stop_traj(at_capacity=full, cursor=cursor, **kw)
+    col = start[:, 1] if start.shape[1] > 1 else torch.zeros_like(length)
+    return list(
+        zip(col.tolist(), start[:, 0].tolist(), stop[:, 0].tolist(), length.tolist(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("mode", ["done", "ids"])
+@pytest.mark.parametrize("rows,columns", [(7, 1), (50, 3), (1023, 1)])
+def test_random_writes_match_one_shot_recovery(mode: str, rows: int, columns: int) -> None:
+    rng = np.random.default_rng(rows * 10 + columns)
+    index = TrajectoryIndex(rows, columns, mode)
+    storage = np.zeros((rows, columns), dtype=bool if mode == "done" else np.int64)
+    cursor, size, next_id = -1, 0, np.arange(columns)
+    for _ in range(40):
+        n = int(rng.integers(1, 2 * rows + 2))
+        if mode == "done":
+            signal = rng.random((n, columns)) < 0.2
+        else:  # non-monotonic ids: a new id is drawn from a small range, so ids repeat
+            change = rng.random((n, columns)) < 0.2
+            signal = np.where(change, rng.integers(0, 5, (n, columns)), -1)
+            for t in range(n):
+                signal[t] = np.where(signal[t] < 0, next_id, signal[t])
+                next_id = signal[t]
+        first = (cursor + 1) % rows
+        index.write(first, signal)
+        for t in range(n):
+            storage[(first + t) % rows] = signal[t]
+        cursor, size = (first + n - 1) % rows, min(rows, size + n)
+        start, stop, length, col = index.boundaries()
+        got = list(zip(col.tolist(), start.tolist(), stop.tolist(), length.tolist(), strict=True))
+        assert got == _reference(storage, size, cursor, mode)
+        assert index.size == size and index.cursor == cursor
+
+
+def test_select_ranks_follow_torchrl_order_with_length_filter() -> None:
+    index = TrajectoryIndex(20, 2, "done")
+    done = np.zeros((27, 2), dtype=bool)
+    done[[1, 4, 10, 12, 20], 0] = True
+    done[[2, 9, 15, 25], 1] = True
+    index.write(0, done)
+    start, _, length, col = index.boundaries()
+    for min_length in (1, 3, 6):
+        eligible = np.flatnonzero(length >= min_length)
+        assert index.counts(min_length).sum() == eligible.size
+        s, n, c = index.select(np.arange(eligible.size), min_length)
+        np.testing.assert_array_equal(s, start[eligible])
+        np.testing.assert_array_equal(n, length[eligible])
+        np.testing.assert_array_equal(c, col[eligible])
+
+
+def test_episode_longer_than_capacity_keeps_only_the_last_rows() -> None:
+    index = TrajectoryIndex(7, 1, "ids")
+    for _ in range(5):
+        index.write((index.cursor + 1) % 7, np.zeros((3, 1), dtype=np.int64))
+    start, stop, length, _ = index.boundaries()
+    # 15 rows into 7: the cursor is row 0, so the one trajectory runs from row 1 round to 0
+    assert (start.tolist(), stop.tolist(), length.tolist()) == ([1], [0], [7])
+    assert index.num_trajectories == 1
+
+
+def test_memory_is_proportional_to_trajectories_not_rows() -> None:
+    index = TrajectoryIndex(10**9, 1, "done")
+    done = np.zeros((10_000, 1), dtype=bool)
+    done[999::1000] = True
+    index.write(0, done)
+    assert index.num_trajectories == 10
+    assert index.nbytes() < 10_000
+
+
+def test_bad_first_row_is_rejected_and_index_unchanged() -> None:
+    index = TrajectoryIndex(7, 1, "done")
+    index.write(0, np.zeros((3, 1), dtype=bool))
+    before = [a.tolist() for a in index.boundaries()]
+    with pytest.raises(ValueError, match=r"first_row=5 does not follow the last written row 2"):
+        index.write(5, np.zeros((1, 1), dtype=bool))
+    assert [a.tolist() for a in index.boundaries()] == before
+    with pytest.raises(ValueError, match=r"mode must be 'done' or 'ids', got mode='x'"):
+        TrajectoryIndex(7, 1, "x")
