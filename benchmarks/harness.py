@@ -232,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per median")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for both libraries (default: torch's default); "
+        "1 gives steadier ratios on a loaded machine",
+    )
     for name, module in scenarios.items():
         group = parser.add_argument_group(f"{name}: {module.DESCRIPTION}")
         module.add_arguments(group)
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.manual_seed(args.seed)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     env = environment()
     print(
         f"torch {env['torch']}, torchrl {env['torchrl']}, tensordict {env['tensordict']}, "
