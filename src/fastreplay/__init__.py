@@ -9,6 +9,8 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
+from fastreplay.ppo import chunked_log_prob
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "chunked_log_prob"]
