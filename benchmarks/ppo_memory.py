@@ -52,9 +52,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=parse_count, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--out", help="torch.save the log-probs here (for the answer check)")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     actor = make_actor(args.obs_dim, args.act_dim, args.hidden)
     # Written in place by the generator: no temporaries beyond the data itself.
@@ -94,6 +97,7 @@ def main() -> None:
                 "extra_rss": peak - baseline,
                 "output_bytes": args.batch * 4,
                 "seconds": seconds,
+                "threads": torch.get_num_threads(),
             }
         )
     )

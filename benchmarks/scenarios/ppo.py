@@ -33,6 +33,14 @@ def add_arguments(group) -> None:
         help="observations per batch (issue #6 bar: 1M)",
     )
     group.add_argument("--ppo-chunk", type=parse_count, default=8192, help="chunk_size")
+    group.add_argument(
+        "--ppo-threads",
+        type=int,
+        default=0,
+        help="torch threads in both processes (0: torch default). Small chunks run ~13x more "
+        "OpenMP parallel regions than one big call, so on a machine where other processes "
+        "take cores the chunked timing suffers; 1 thread measures the work itself",
+    )
 
 
 def _measure(mode: str, args, out: Path) -> dict:
@@ -49,6 +57,7 @@ def _measure(mode: str, args, out: Path) -> dict:
         f"--chunk={args.ppo_chunk}",
         f"--repeats={args.repeats}",
         f"--seed={args.seed}",
+        f"--threads={args.ppo_threads}",
         f"--out={out}",
     ]
     done = subprocess.run(command, env=env, cwd=_ROOT, capture_output=True, text=True, check=False)
@@ -82,7 +91,7 @@ def run(args) -> list[Result]:
         f"({total_ratio:.1f}x); time chunked/one-shot {time_ratio:.2f}",
         flush=True,
     )
-    case = f"batch {fmt_count(args.ppo_batch)}, chunk {args.ppo_chunk}"
+    case = f"batch {fmt_count(args.ppo_batch)}, chunk {args.ppo_chunk}, {chunked['threads']} thr"
     return [
         Result(
             scenario=NAME,
@@ -90,7 +99,12 @@ def run(args) -> list[Result]:
             fastreplay_s=chunked["seconds"],
             torchrl_s=one_shot["seconds"],
             correct=correct,
-            params={"batch": args.ppo_batch, "chunk_size": args.ppo_chunk, "obs_dim": 64},
+            params={
+                "batch": args.ppo_batch,
+                "chunk_size": args.ppo_chunk,
+                "obs_dim": 64,
+                "threads": chunked["threads"],
+            },
             extra={
                 "one_shot": one_shot,
                 "chunked": chunked,
