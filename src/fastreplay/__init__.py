@@ -10,6 +10,7 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 from __future__ import annotations
 
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from fastreplay.ppo import chunked_log_prob
 from fastreplay.samplers.slice import SliceSampler
 
 __version__ = "0.1.0"
@@ -19,4 +20,5 @@ __all__ = [
     "TensorDictPrioritizedReplayBuffer",
     "TensorDictReplayBuffer",
     "__version__",
+    "chunked_log_prob",
 ]

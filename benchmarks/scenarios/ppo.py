@@ -1,0 +1,116 @@
+"""PPO old log-probs: one-shot ``actor.log_prob`` vs ``fastreplay.chunked_log_prob``.
+
+Each computation runs in its own fresh process (:mod:`benchmarks.ppo_memory`) so that its peak
+resident set size is its own. The "TorchRL" column is the one-shot call TorchRL users write
+(``actor.log_prob(data)`` under ``no_grad``); "fastreplay" is the chunked one. Both answers are
+saved and compared with ``torch.testing.assert_close`` (float32 defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import Result, fmt_count, parse_count
+
+NAME = "ppo"
+DESCRIPTION = "PPO old log-probs, 2x256 MLP policy, obs dim 64: peak RSS and time"
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(group) -> None:
+    group.add_argument(
+        "--ppo-batch",
+        type=parse_count,
+        default=parse_count("100k"),
+        help="observations per batch (issue #6 bar: 1M)",
+    )
+    group.add_argument("--ppo-chunk", type=parse_count, default=8192, help="chunk_size")
+    group.add_argument(
+        "--ppo-threads",
+        type=int,
+        default=0,
+        help="torch threads in both processes (0: torch default). Small chunks run ~13x more "
+        "OpenMP parallel regions than one big call, so on a machine where other processes "
+        "take cores the chunked timing suffers; 1 thread measures the work itself",
+    )
+
+
+def _measure(mode: str, args, out: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(_ROOT / "src"), str(_ROOT), env.get("PYTHONPATH", "")]
+    ).rstrip(os.pathsep)
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.ppo_memory",
+        f"--mode={mode}",
+        f"--batch={args.ppo_batch}",
+        f"--chunk={args.ppo_chunk}",
+        f"--repeats={args.repeats}",
+        f"--seed={args.seed}",
+        f"--threads={args.ppo_threads}",
+        f"--out={out}",
+    ]
+    done = subprocess.run(command, env=env, cwd=_ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> list[Result]:
+    with tempfile.TemporaryDirectory() as tmp:
+        one_shot = _measure("one-shot", args, Path(tmp) / "one_shot.pt")
+        chunked = _measure("chunked", args, Path(tmp) / "chunked.pt")
+        expected = torch.load(Path(tmp) / "one_shot.pt")
+        actual = torch.load(Path(tmp) / "chunked.pt")
+    try:
+        torch.testing.assert_close(actual, expected)
+        correct = actual.shape == (args.ppo_batch,)
+    except AssertionError as err:
+        print(f"  chunked log-probs differ from the one-shot ones: {err}", file=sys.stderr)
+        correct = False
+
+    mib = 2**20
+    memory_ratio = one_shot["extra_rss"] / max(chunked["extra_rss"], 1)
+    total_ratio = one_shot["peak_rss"] / chunked["peak_rss"]
+    time_ratio = chunked["seconds"] / one_shot["seconds"]
+    print(
+        f"  peak extra RSS: one-shot {one_shot['extra_rss'] / mib:,.0f} MiB, chunked "
+        f"{chunked['extra_rss'] / mib:,.0f} MiB ({memory_ratio:.1f}x lower; output itself "
+        f"{chunked['output_bytes'] / mib:,.1f} MiB); peak total RSS "
+        f"{one_shot['peak_rss'] / mib:,.0f} vs {chunked['peak_rss'] / mib:,.0f} MiB "
+        f"({total_ratio:.1f}x); time chunked/one-shot {time_ratio:.2f}",
+        flush=True,
+    )
+    case = f"batch {fmt_count(args.ppo_batch)}, chunk {args.ppo_chunk}, {chunked['threads']} thr"
+    return [
+        Result(
+            scenario=NAME,
+            case=case,
+            fastreplay_s=chunked["seconds"],
+            torchrl_s=one_shot["seconds"],
+            correct=correct,
+            params={
+                "batch": args.ppo_batch,
+                "chunk_size": args.ppo_chunk,
+                "obs_dim": 64,
+                "threads": chunked["threads"],
+            },
+            extra={
+                "one_shot": one_shot,
+                "chunked": chunked,
+                "extra_rss_ratio": memory_ratio,
+                "peak_rss_ratio": total_ratio,
+                "time_ratio_chunked_over_one_shot": time_ratio,
+            },
+        )
+    ]

@@ -1,0 +1,472 @@
+"""chunked_log_prob against the one-shot ``actor.log_prob`` computation, and with ClipPPOLoss."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+from tensordict.nn import CompositeDistribution, NormalParamExtractor, TensorDictModule
+from torch import nn
+from torchrl.modules import ProbabilisticActor, ValueOperator
+from torchrl.objectives import ClipPPOLoss, KLPENPPOLoss
+
+from fastreplay import chunked_log_prob
+
+OBS, ACT = 5, 3
+
+
+class BatchRecorder(nn.Module):
+    """Identity layer that records the leading batch size of every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.sizes.append(x.shape[0])
+        return x
+
+
+def normal_actor(dtype=torch.float32, dropout: float = 0.0) -> ProbabilisticActor:
+    layers = [BatchRecorder(), nn.Linear(OBS, 16), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers += [nn.Linear(16, 2 * ACT), NormalParamExtractor()]
+    net = TensorDictModule(nn.Sequential(*layers), ["obs"], ["loc", "scale"])
+    actor = ProbabilisticActor(
+        net,
+        in_keys=["loc", "scale"],
+        distribution_class=torch.distributions.Normal,
+        return_log_prob=True,
+    )
+    return actor.to(dtype)
+
+
+def categorical_actor(dtype=torch.float32) -> ProbabilisticActor:
+    net = TensorDictModule(nn.Sequential(nn.Linear(OBS, 4), nn.ReLU()), ["obs"], ["logits"])
+    actor = ProbabilisticActor(
+        net, in_keys=["logits"], distribution_class=torch.distributions.Categorical
+    )
+    return actor.to(dtype)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(OBS, 2 * ACT + 4)
+
+    def forward(self, obs: torch.Tensor):
+        y = self.body(obs)
+        return y[..., :ACT], y[..., ACT : 2 * ACT].exp(), y[..., 2 * ACT :]
+
+
+def composite_actor(dtype=torch.float32) -> ProbabilisticActor:
+    net = TensorDictModule(
+        TwoHeads(),
+        ["obs"],
+        [("params", "move", "loc"), ("params", "move", "scale"), ("params", "grip", "logits")],
+    )
+    actor = ProbabilisticActor(
+        net,
+        in_keys=["params"],
+        out_keys=["move", "grip"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={
+            "distribution_map": {
+                "move": torch.distributions.Normal,
+                "grip": torch.distributions.Categorical,
+            }
+        },
+        return_log_prob=True,
+    )
+    return actor.to(dtype)
+
+
+def make_data(actor, batch_size, dtype=torch.float32) -> TensorDict:
+    """Observations, and actions sampled from the actor (then dropped: only obs + actions)."""
+    obs = torch.randn(*batch_size, OBS, dtype=dtype)
+    with torch.no_grad():
+        full = actor(TensorDict(obs=obs, batch_size=batch_size))
+    return full.select("obs", *actor.dist_sample_keys)
+
+
+def one_shot(actor, data):
+    """The reference: the whole batch in one call, eval mode, no grad."""
+    actor.eval()
+    with torch.no_grad():
+        lp = actor.log_prob(data.copy())
+    if isinstance(lp, torch.Tensor):
+        return lp
+    return lp.select(*actor.log_prob_keys)
+
+
+def assert_unchanged(data: TensorDict, before: TensorDict) -> None:
+    assert set(data.keys(True, True)) == set(before.keys(True, True))
+    for key in before.keys(True, True):
+        assert torch.equal(data.get(key), before.get(key)), key
+
+
+def assert_same64(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Float64 agreement to the last bits.
+
+    Not ``torch.equal``: PyTorch's CPU kernels are not batch-size invariant. MKL's float64 GEMM
+    rounds the last rows of a matrix differently for different row counts, and the vectorised
+    softplus / sigmoid kernels compute the tail of a tensor through another code path, so the
+    one-shot call itself changes by an ulp when the batch grows (see docs/chunked_log_prob.md).
+    A misplaced chunk or a wrong reshape moves values by O(1), twelve orders above this bound.
+    """
+    assert actual.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+def recorder(actor) -> BatchRecorder:
+    return next(m for m in actor.modules() if isinstance(m, BatchRecorder))
+
+
+# -- equality with the one-shot computation ----------------------------------------------------
+
+CASES = [  # batch shape, chunk size
+    ((1023,), 100),
+    ((1023,), 1),
+    ((7, 13), 10),
+    ((7, 13), 91),
+    ((3, 4, 5), 7),
+    ((50,), 1000),
+    ((64,), 64),
+]
+
+
+@pytest.mark.parametrize(("batch_size", "chunk_size"), CASES)
+@pytest.mark.parametrize("make_actor", [normal_actor, categorical_actor])
+def test_float64_matches_one_shot(make_actor, batch_size, chunk_size):
+    actor = make_actor(torch.float64)
+    data = make_data(actor, batch_size, torch.float64)
+    expected = one_shot(actor, data)
+    lp = chunked_log_prob(actor, data, chunk_size=chunk_size)
+    assert lp.dtype == torch.float64
+    assert lp.shape == expected.shape
+    assert lp.shape[: len(batch_size)] == torch.Size(batch_size)
+    assert_same64(lp, expected)
+    assert data.get(actor.log_prob_keys[0]) is lp
+
+
+@pytest.mark.parametrize(("batch_size", "chunk_size"), CASES)
+def test_float32_close_to_one_shot(batch_size, chunk_size):
+    actor = normal_actor(torch.float32)
+    data = make_data(actor, batch_size)
+    expected = one_shot(actor, data)
+    lp = chunked_log_prob(actor, data, chunk_size=chunk_size)
+    torch.testing.assert_close(lp, expected)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    chunk_size=st.integers(1, 40),
+)
+def test_any_shape_and_chunk_float64(shape, chunk_size):
+    torch.manual_seed(len(shape) * 100 + chunk_size)
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, shape, torch.float64)
+    expected = one_shot(actor, data)
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data, chunk_size=chunk_size)
+    assert_same64(lp, expected)
+    numel = int(np.prod(shape))
+    assert sum(rec.sizes) == numel
+    assert max(rec.sizes) <= chunk_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("make_actor", [normal_actor, categorical_actor])
+def test_bitwise_equal_to_one_shot_per_chunk(make_actor, dtype):
+    """Exact: each chunk's values are the actor's own output on that chunk, in place."""
+    actor = make_actor(dtype)
+    data = make_data(actor, (7, 13), dtype)
+    lp = chunked_log_prob(actor, data, chunk_size=10)
+    flat = data.reshape(-1)
+    pieces = [one_shot(actor, flat[i : i + 10]) for i in range(0, 91, 10)]
+    assert torch.equal(lp.reshape(91, *lp.shape[2:]), torch.cat(pieces))
+
+
+def test_actor_sees_only_chunks_of_at_most_chunk_size():
+    actor = normal_actor()
+    data = make_data(actor, (1023,))
+    rec = recorder(actor)
+    rec.sizes.clear()
+    chunked_log_prob(actor, data, chunk_size=100)
+    assert rec.sizes == [100] * 10 + [23]
+    rec.sizes.clear()
+    chunked_log_prob(actor, data.reshape(31, 33), chunk_size=500)
+    assert rec.sizes == [500, 500, 23]
+    rec.sizes.clear()
+    one_shot(actor, data)  # the reference does see the whole batch
+    assert rec.sizes == [1023]
+
+
+def test_chunk_size_numpy_int_accepted():
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (20,), torch.float64)
+    lp = chunked_log_prob(actor, data, chunk_size=np.int64(6))
+    assert_same64(lp, one_shot(actor, data))
+
+
+def test_empty_batch():
+    actor = normal_actor()
+    data = make_data(actor, (0,))
+    lp = chunked_log_prob(actor, data, chunk_size=8)
+    assert lp.shape == (0, ACT)
+    assert data.get("action_log_prob") is lp
+
+
+# -- composite distributions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch_size", "chunk_size"), [((1023,), 100), ((7, 13), 10)])
+def test_composite_two_heads_float64(batch_size, chunk_size):
+    actor = composite_actor(torch.float64)
+    assert actor.log_prob_keys == ["move_log_prob", "grip_log_prob"]
+    data = make_data(actor, batch_size, torch.float64)
+    expected = one_shot(actor, data)
+    result = chunked_log_prob(actor, data, chunk_size=chunk_size)
+    assert result.batch_size == torch.Size(batch_size)
+    assert set(result.keys()) == {"move_log_prob", "grip_log_prob"}
+    assert result["move_log_prob"].shape == (*batch_size, ACT)
+    assert result["grip_log_prob"].shape == batch_size
+    for key in actor.log_prob_keys:
+        assert_same64(result[key], expected[key])
+        assert data[key] is result[key]
+    # Only the log-probs were added; the distribution parameters stayed in the chunks.
+    assert set(data.keys()) == {"obs", "move", "grip", "move_log_prob", "grip_log_prob"}
+
+
+def test_composite_custom_out_keys_follow_log_prob_keys_order():
+    actor = composite_actor()
+    data = make_data(actor, (30,))
+    expected = one_shot(actor, data)
+    out = chunked_log_prob(actor, data, chunk_size=7, out_key=["old_move", ("old", "grip")])
+    torch.testing.assert_close(data["old_move"], expected["move_log_prob"])
+    torch.testing.assert_close(data["old", "grip"], expected["grip_log_prob"])
+    assert set(out.keys(True, True)) == {"old_move", ("old", "grip")}
+
+
+# -- state left as it was -----------------------------------------------------------------------
+
+
+def test_train_mode_dropout_and_rng_restored():
+    actor = normal_actor(torch.float64, dropout=0.5)
+    actor.train()
+    actor.module[0].module[0].eval()  # a mixed mode must survive too
+    modes = [m.training for m in actor.modules()]
+    data = make_data(actor, (200,), torch.float64)
+    rng = torch.get_rng_state()
+    lp = chunked_log_prob(actor, data, chunk_size=33)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [m.training for m in actor.modules()] == modes
+    # Dropout was off: chunking does not change the answer, repeating does not either.
+    assert_same64(lp, one_shot(actor, data))
+    actor.train()
+    actor.module[0].module[0].eval()
+    again = chunked_log_prob(actor, data.exclude("action_log_prob"), chunk_size=33)
+    assert torch.equal(lp, again)
+
+
+def test_actor_in_eval_mode_stays_in_eval_mode():
+    actor = normal_actor()
+    actor.eval()
+    chunked_log_prob(actor, make_data(actor, (10,)), chunk_size=3)
+    assert not any(m.training for m in actor.modules())
+
+
+def test_nothing_written_requires_grad():
+    actor = normal_actor()
+    assert all(p.requires_grad for p in actor.parameters())
+    data = make_data(actor, (40,))
+    assert actor.log_prob(data.copy()).requires_grad  # what the naive call would store
+    lp = chunked_log_prob(actor, data, chunk_size=16)
+    assert not lp.requires_grad
+    assert not any(v.requires_grad for v in data.values(True, True))
+    assert torch.is_grad_enabled()
+
+
+def test_only_the_log_prob_key_is_added():
+    actor = normal_actor()
+    data = make_data(actor, (7, 13))
+    data["extra"] = torch.arange(91).reshape(7, 13)
+    before = data.clone()
+    chunked_log_prob(actor, data, chunk_size=10)
+    assert_unchanged(data.exclude("action_log_prob"), before)
+
+
+def test_existing_log_prob_is_overwritten_not_reused():
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (25,), torch.float64)
+    data["action_log_prob"] = torch.full((25, ACT), 123.0, dtype=torch.float64)
+    lp = chunked_log_prob(actor, data, chunk_size=4)
+    assert_same64(lp, one_shot(actor, data.exclude("action_log_prob")))
+
+
+# -- out_key and loss modules -------------------------------------------------------------------
+
+
+def value_net() -> ValueOperator:
+    return ValueOperator(nn.Linear(OBS, 1), in_keys=["obs"])
+
+
+@pytest.mark.parametrize("loss_cls", [ClipPPOLoss, KLPENPPOLoss])
+def test_loss_module_gives_the_key(loss_cls):
+    actor = normal_actor()
+    loss = loss_cls(actor, value_net())
+    loss.set_keys(sample_log_prob="old_log_prob")
+    data = make_data(actor, (12,))
+    lp = chunked_log_prob(actor, data, chunk_size=5, out_key=loss)
+    assert data["old_log_prob"] is lp
+    assert data.get("action_log_prob", None) is None
+
+
+def test_default_key_is_the_one_clip_ppo_reads():
+    for actor in (normal_actor(), composite_actor()):
+        loss = ClipPPOLoss(actor, value_net())
+        keys = loss.tensor_keys.sample_log_prob
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        data = make_data(actor, (9,))
+        chunked_log_prob(actor, data, chunk_size=4)
+        assert all(k in data.keys(True) for k in keys), (keys, list(data.keys()))
+
+
+def ppo_batch(actor, batch_size=(8, 16)) -> TensorDict:
+    data = make_data(actor, batch_size)
+    data["advantage"] = torch.randn(*batch_size, 1)
+    data["value_target"] = torch.randn(*batch_size, 1)
+    return data
+
+
+def test_clip_ppo_loss_trains_on_the_result():
+    actor = normal_actor()
+    loss = ClipPPOLoss(actor, value_net(), entropy_coeff=0.0)
+    data = ppo_batch(actor)
+    with pytest.raises(KeyError, match="log-prob"):
+        loss(data)  # without the old log-prob, ClipPPOLoss refuses
+    chunked_log_prob(actor, data, chunk_size=10, out_key=loss)
+    actor.train()
+    out = loss(data)
+    # Same parameters as the old policy: ratio 1, KL 0, nothing clipped.
+    torch.testing.assert_close(out["kl_approx"], torch.tensor(0.0), atol=1e-6, rtol=0)
+    assert out["clip_fraction"] == 0
+    total = out["loss_objective"] + out["loss_critic"]
+    total.backward()
+    assert all(p.grad is not None for p in actor.parameters())
+
+
+def test_clip_ppo_loss_on_composite_actor():
+    actor = composite_actor()
+    loss = ClipPPOLoss(actor, value_net(), entropy_coeff=0.0)
+    data = ppo_batch(actor, (33,))
+    chunked_log_prob(actor, data, chunk_size=8)
+    out = loss(data)
+    torch.testing.assert_close(out["kl_approx"], torch.tensor(0.0), atol=1e-6, rtol=0)
+    out["loss_objective"].backward()
+
+
+def test_clip_ppo_loss_rejects_what_the_naive_call_stores():
+    """The check we must pass: ClipPPOLoss raises on a stored log-prob that requires grad."""
+    actor = normal_actor()
+    loss = ClipPPOLoss(actor, value_net())
+    data = ppo_batch(actor)
+    data["action_log_prob"] = actor.log_prob(data.copy())
+    with pytest.raises(RuntimeError, match="requires grad"):
+        loss(data)
+    chunked_log_prob(actor, data, chunk_size=10)
+    loss(data)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("chunk_size", "error", "match"),
+    [
+        (0, ValueError, r"chunk_size must be >= 1, got 0"),
+        (-5, ValueError, r"chunk_size must be >= 1, got -5"),
+        (8.0, TypeError, r"chunk_size must be an int, got 8.0 of type float"),
+        ("8", TypeError, r"chunk_size must be an int, got '8'"),
+        (True, TypeError, r"chunk_size must be an int, got True of type bool"),
+        (None, TypeError, r"chunk_size must be an int, got None"),
+    ],
+)
+def test_bad_chunk_size(chunk_size, error, match):
+    actor = normal_actor()
+    data = make_data(actor, (10,))
+    before = data.clone()
+    with pytest.raises(error, match=match):
+        chunked_log_prob(actor, data, chunk_size=chunk_size)
+    assert_unchanged(data, before)
+
+
+def test_missing_action_key():
+    actor = normal_actor()
+    data = make_data(actor, (10,)).exclude("action")
+    before = data.clone()
+    with pytest.raises(KeyError, match=r"no stored action under \['action'\]"):
+        chunked_log_prob(actor, data, chunk_size=4)
+    assert_unchanged(data, before)
+
+
+def test_missing_one_head_of_a_composite_action():
+    actor = composite_actor()
+    data = make_data(actor, (10,)).exclude("grip")
+    before = data.clone()
+    with pytest.raises(KeyError, match=r"\['grip'\]"):
+        chunked_log_prob(actor, data, chunk_size=4)
+    assert_unchanged(data, before)
+
+
+def test_actor_not_probabilistic():
+    net = TensorDictModule(nn.Linear(OBS, ACT), ["obs"], ["action"])
+    data = TensorDict(obs=torch.randn(10, OBS), action=torch.randn(10, ACT), batch_size=[10])
+    before = data.clone()
+    with pytest.raises(TypeError, match=r"actor must be a probabilistic actor.*TensorDictModule"):
+        chunked_log_prob(net, data, chunk_size=4)
+    with pytest.raises(TypeError, match=r"got Linear"):
+        chunked_log_prob(nn.Linear(OBS, ACT), data, chunk_size=4)
+    assert_unchanged(data, before)
+
+
+def test_data_not_a_tensordict():
+    actor = normal_actor()
+    with pytest.raises(TypeError, match=r"data must be a TensorDict, got dict"):
+        chunked_log_prob(actor, {"obs": torch.randn(3, OBS)}, chunk_size=4)
+
+
+@pytest.mark.parametrize(
+    ("out_key", "error", "match"),
+    [
+        (["a", "b"], ValueError, r"out_key names 2 key\(s\).*produces 1 log-prob"),
+        (3, TypeError, r"out_key must be None, a key"),
+        ([], TypeError, r"out_key must be None, a key"),
+    ],
+)
+def test_bad_out_key(out_key, error, match):
+    actor = normal_actor()
+    data = make_data(actor, (10,))
+    before = data.clone()
+    with pytest.raises(error, match=match):
+        chunked_log_prob(actor, data, chunk_size=4, out_key=out_key)
+    assert_unchanged(data, before)
+
+
+def test_actor_failure_leaves_data_unchanged():
+    actor = normal_actor()
+    data = TensorDict(obs=torch.randn(10, OBS + 1), action=torch.randn(10, ACT), batch_size=[10])
+    before = data.clone()
+    actor.train()
+    rng = torch.get_rng_state()
+    with pytest.raises(RuntimeError):
+        chunked_log_prob(actor, data, chunk_size=4)
+    assert_unchanged(data, before)
+    assert actor.training
+    assert torch.equal(torch.get_rng_state(), rng)
