@@ -9,6 +9,8 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
+from fastreplay.samplers.prioritized import PrioritizedSampler
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["PrioritizedSampler", "__version__"]
