@@ -139,7 +139,7 @@ class PriorityTrees:
         index = index.to(device=self.device, dtype=torch.long).reshape(-1)
         self.levels[0].index_copy_(1, index, leaves)
         b = self.branching
-        for child, parent in zip(self.levels[:-1], self.levels[1:]):
+        for child, parent in zip(self.levels[:-1], self.levels[1:], strict=True):
             index = torch.div(index, b, rounding_mode="floor")
             # Duplicated parents are fine: they all write the same recomputed value.
             # (index_select / index_copy_: advanced indexing on dim 1 is ~300x slower on CPU.)
@@ -165,7 +165,7 @@ class PriorityTrees:
     def rebuild(self) -> None:
         """Recompute every internal node from the leaves, vectorized per level. O(capacity)."""
         b = self.branching
-        for child, parent in zip(self.levels[:-1], self.levels[1:]):
+        for child, parent in zip(self.levels[:-1], self.levels[1:], strict=True):
             group = child.view(3, -1, b)
             n = group.shape[1]
             parent[0, :n] = group[0].sum(-1)

@@ -125,9 +125,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 "use math.inf for no cap"
             )
         if not (initial_priority >= 0 and math.isfinite(initial_priority)):
-            raise ValueError(
-                f"initial_priority must be finite and >= 0, got {initial_priority}"
-            )
+            raise ValueError(f"initial_priority must be finite and >= 0, got {initial_priority}")
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
         self._max_capacity = max_capacity
@@ -197,10 +195,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
         O(1): read from the root of the negated-min tree.
         """
-        if self._max_priority_within_buffer:
-            live = self._trees.max_raw()
-        else:
-            live = self._all_time_max
+        within = self._max_priority_within_buffer
+        live = self._trees.max_raw() if within else self._all_time_max
         value = self._initial_priority if live == -math.inf else live
         return min(value, self._upper_priority)
 
@@ -300,14 +296,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if bool((bad_p | bad_i).any()):
             problems = []
             if bool(bad_i.any()):
+                shown = flat[bad_i]
+                more = f" (and {shown.numel() - 5} more)" if shown.numel() > 5 else ""
                 problems.append(
-                    f"index outside the stored range [0, {stored}): "
-                    f"{_show(flat, flat, bad_i)}"
+                    f"index outside the stored range [0, {stored}): {shown[:5].tolist()}{more}"
                 )
             if bool(bad_p.any()):
-                problems.append(
-                    f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)}"
-                )
+                problems.append(f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)}")
             raise ValueError("; ".join(problems) + "; nothing was updated")
         if flat.numel() > 1:  # dedupe, the last occurrence wins
             flat, order = torch.sort(flat, stable=True)
