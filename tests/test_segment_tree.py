@@ -67,6 +67,7 @@ def test_search_matches_searchsorted(capacity: int, branching: int) -> None:
     prefix = torch.rand(2000, generator=gen, dtype=torch.float64) * trees.total()
     expected = torch.searchsorted(cumsum, prefix, right=True)
     assert torch.equal(trees.search(prefix), expected)
+    assert torch.equal(trees.search(prefix, guard=True), expected)
 
 
 def test_search_past_the_total_lands_on_last_positive_slot() -> None:

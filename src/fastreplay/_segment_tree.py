@@ -85,6 +85,10 @@ class PriorityTrees:
         self.levels: list[torch.Tensor] = [
             self._neutral[:, None].expand(3, n).clone() for n in sizes
         ]
+        self._strides = torch.tensor(
+            [branching**depth for depth in range(1, len(sizes))], device=self.device
+        )
+        self._positions = torch.arange(branching, device=self.device)
 
     # ------------------------------------------------------------------ queries, O(1)
     def total(self) -> float:
@@ -138,13 +142,17 @@ class PriorityTrees:
     def _write(self, index: torch.Tensor, leaves: torch.Tensor) -> None:
         index = index.to(device=self.device, dtype=torch.long).reshape(-1)
         self.levels[0].index_copy_(1, index, leaves)
+        # Every ancestor index at once: row l holds the level-(l + 1) node of each leaf.
+        ancestors = torch.div(index, self._strides[:, None], rounding_mode="floor")
         b = self.branching
-        for child, parent in zip(self.levels[:-1], self.levels[1:], strict=True):
-            index = torch.div(index, b, rounding_mode="floor")
+        for depth, (child, parent) in enumerate(
+            zip(self.levels[:-1], self.levels[1:], strict=True)
+        ):
+            node = ancestors[depth]
             # Duplicated parents are fine: they all write the same recomputed value.
             # (index_select / index_copy_: advanced indexing on dim 1 is ~300x slower on CPU.)
-            group = child.view(3, -1, b).index_select(1, index)
-            parent.index_copy_(1, index, torch.cat([group[:1].sum(-1), group[1:].amin(-1)]))
+            group = child.view(3, -1, b).index_select(1, node)
+            parent.index_copy_(1, node, torch.cat([group[:1].sum(-1), group[1:].amin(-1)]))
 
     def set_leaves(self, mass: torch.Tensor, raw: torch.Tensor) -> None:
         """Replace every leaf at once (``-inf`` raw marks unwritten) and rebuild. O(capacity)."""
@@ -172,26 +180,36 @@ class PriorityTrees:
             parent[1:, :n] = group[1:].amin(-1)
 
     # ------------------------------------------------------------------ sampling
-    def search(self, prefix: torch.Tensor) -> torch.Tensor:
+    def search(self, prefix: torch.Tensor, *, guard: bool = False) -> torch.Tensor:
         """Leaf of each prefix mass: smallest ``i`` with ``sum(mass[: i + 1]) > prefix``.
 
         One vectorized descent from the root: O(s log_B capacity) for ``s`` queries with a
         fixed number of torch ops per level. Prefixes at or beyond :meth:`total` return the
         last slot with positive mass, so the result always has positive mass while
-        :meth:`total` is positive (see the module docstring for the rounding hazard).
+        :meth:`total` is positive (see the module docstring for the rounding hazard): the
+        fast descent checks its leaves (one op) and, if one has zero mass, redoes the search
+        with ``guard=True``, which never descends past a node's last positive child.
         """
         b = self.branching
-        prefix = prefix.to(device=self.device, dtype=torch.float64).reshape(-1)
+        prefix = original = prefix.to(device=self.device, dtype=torch.float64).reshape(-1)
         node = torch.zeros_like(prefix, dtype=torch.long)
-        positions = torch.arange(b, device=self.device)
+        if len(self.levels) == 1:  # capacity 1: the root is the only leaf
+            return node
         for level in reversed(self.levels[:-1]):
+            if not guard:  # an overshoot may have picked a padding node: stay in range
+                node = node.clamp_max_(level.shape[1] // b - 1)
             children = level[0].view(-1, b).index_select(0, node)
             cumsum = children.cumsum(-1)
-            choice = (cumsum <= prefix[:, None]).sum(-1)
-            last_positive = torch.where(children > 0, positions, 0).amax(-1)
-            choice = torch.minimum(choice, last_positive)[:, None]
-            prefix = prefix - (cumsum.gather(1, choice) - children.gather(1, choice))[:, 0]
-            node = node * b + choice[:, 0]
+            choice = torch.searchsorted(cumsum, prefix[:, None], right=True)
+            if guard:
+                last_positive = torch.where(children > 0, self._positions, 0).amax(-1)
+                choice = torch.minimum(choice, last_positive[:, None])
+            else:
+                choice = choice.clamp_max_(b - 1)
+            prefix = prefix - (cumsum - children).gather(1, choice)[:, 0]
+            node = node.mul_(b).add_(choice[:, 0])
+        if not guard and not bool(self.levels[0][0].index_select(0, node).gt(0).all()):
+            return self.search(original, guard=True)  # rare: rounding reached an empty slot
         return node
 
     # ------------------------------------------------------------------ persistence
@@ -200,4 +218,6 @@ class PriorityTrees:
         self.device = torch.device(device)
         self._neutral = self._neutral.to(self.device)
         self.levels = [level.to(self.device) for level in self.levels]
+        self._strides = self._strides.to(self.device)
+        self._positions = self._positions.to(self.device)
         return self

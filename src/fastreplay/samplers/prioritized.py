@@ -283,17 +283,42 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             )
         else:
             priority = priority.reshape(-1)
-        keep = flat != -1  # MaxValueWriter's "do not update" marker
-        if not bool(keep.all()):
-            flat, priority = flat[keep], priority[keep]
         if flat.numel() == 0:
             return
         self._write(flat, priority.to(torch.float64), self._stored(storage))
 
     def _write(self, flat: torch.Tensor, raw: torch.Tensor, stored: int) -> None:
-        bad_p = ~((raw >= 0) & (raw < math.inf))
-        bad_i = (flat < 0) | (flat >= stored)
-        if bool((bad_p | bad_i).any()):
+        checked = self._validate(flat, raw, stored)
+        if checked is None:
+            return
+        flat, raw, p_max = checked
+        if flat.numel() > 1:
+            # Repeated slots all receive the value of their last occurrence (TorchRL's
+            # last-write-wins); writing equal values twice is harmless, so no compaction.
+            flat, order = torch.sort(flat, stable=True)
+            last = torch.searchsorted(flat, flat, right=True).sub_(1)
+            raw = raw.index_select(0, order.index_select(0, last))
+        if not self._max_priority_within_buffer:
+            self._all_time_max = max(self._all_time_max, p_max)
+        self._trees.update(flat, self._mass(raw), raw)
+
+    def _validate(
+        self, flat: torch.Tensor, raw: torch.Tensor, stored: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k)."""
+        # One fused reduction and one host sync validate the common (valid) case.
+        i_min, i_max = torch.aminmax(flat)
+        p_min, p_max = torch.aminmax(raw)
+        i_min, i_max, p_min, p_max = torch.stack(
+            [i_min.to(torch.float64), i_max.to(torch.float64), p_min, p_max]
+        ).tolist()
+        if i_min == -1:  # MaxValueWriter's "do not update" marker
+            keep = flat != -1
+            flat, raw = flat[keep], raw[keep]
+            return self._validate(flat, raw, stored) if flat.numel() else None
+        if not (i_min >= 0 and i_max < stored and p_min >= 0 and p_max < math.inf):
+            bad_p = ~((raw >= 0) & (raw < math.inf))
+            bad_i = (flat < 0) | (flat >= stored)
             problems = []
             if bool(bad_i.any()):
                 shown = flat[bad_i]
@@ -304,15 +329,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             if bool(bad_p.any()):
                 problems.append(f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)}")
             raise ValueError("; ".join(problems) + "; nothing was updated")
-        if flat.numel() > 1:  # dedupe, the last occurrence wins
-            flat, order = torch.sort(flat, stable=True)
-            raw = raw[order]
-            last = torch.ones_like(flat, dtype=torch.bool)
-            last[:-1] = flat[1:] != flat[:-1]
-            flat, raw = flat[last], raw[last]
-        if not self._max_priority_within_buffer:
-            self._all_time_max = max(self._all_time_max, float(raw.max()))
-        self._trees.update(flat, self._mass(raw), raw)
+        return flat, raw, p_max
 
     @torch.no_grad()
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
@@ -323,14 +340,18 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         """
         self._maybe_init_from_storage(storage)
         flat = self._flat_index(index, storage)
-        flat = flat[flat != -1]
         if flat.numel() == 0:
             return
         stored = self._stored(storage)
-        if self._max_priority_within_buffer and bool(((flat >= 0) & (flat < stored)).all()):
-            old = self._trees.levels[0][2].index_select(0, flat)
-            if bool((old <= self._trees.levels[-1][2, 0]).any()):  # an old max is overwritten
-                self._trees.clear(flat)
+        if self._max_priority_within_buffer:
+            # Clear the overwritten slots first if one of them holds the live max.
+            valid = flat.clamp(0, self._max_capacity - 1)
+            old = self._trees.levels[0][2].index_select(0, valid)
+            if bool((old <= self._trees.levels[-1][2, 0]).any()):
+                zeros = torch.zeros(flat.shape, dtype=torch.float64, device=self.device)
+                checked = self._validate(flat, zeros, stored)  # raises before any change
+                if checked is not None:
+                    self._trees.clear(checked[0])
         raw = torch.full(flat.shape, self.default_priority, dtype=torch.float64, device=self.device)
         self._write(flat, raw, stored)
 
