@@ -200,7 +200,8 @@ class PriorityTrees:
                 node = node.clamp_max_(level.shape[1] // b - 1)
             children = level[0].view(-1, b).index_select(0, node)
             cumsum = children.cumsum(-1)
-            choice = torch.searchsorted(cumsum, prefix[:, None], right=True)
+            # (batched 2-D torch.searchsorted is ~300x slower than this on CPU)
+            choice = (cumsum <= prefix[:, None]).sum(-1, keepdim=True)
             if guard:
                 last_positive = torch.where(children > 0, self._positions, 0).amax(-1)
                 choice = torch.minimum(choice, last_positive[:, None])

@@ -293,11 +293,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             return
         flat, raw, p_max = checked
         if flat.numel() > 1:
-            # Repeated slots all receive the value of their last occurrence (TorchRL's
-            # last-write-wins); writing equal values twice is harmless, so no compaction.
+            # Repeated slots: the last occurrence wins, as in TorchRL.
+            # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
             flat, order = torch.sort(flat, stable=True)
-            last = torch.searchsorted(flat, flat, right=True).sub_(1)
-            raw = raw.index_select(0, order.index_select(0, last))
+            last = torch.ones_like(flat, dtype=torch.bool)
+            torch.ne(flat[1:], flat[:-1], out=last[:-1])
+            keep = last.nonzero().squeeze(1)
+            flat, raw = flat.index_select(0, keep), raw.index_select(0, order.index_select(0, keep))
         if not self._max_priority_within_buffer:
             self._all_time_max = max(self._all_time_max, p_max)
         self._trees.update(flat, self._mass(raw), raw)
