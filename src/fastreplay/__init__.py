@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 from fastreplay.ppo import chunked_log_prob
-from fastreplay.samplers.slice import SliceSampler
+from fastreplay.samplers import PrioritizedSampler, SliceSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PrioritizedSampler",
     "SliceSampler",
     "TensorDictPrioritizedReplayBuffer",
     "TensorDictReplayBuffer",

@@ -1,5 +1,6 @@
-"""TorchRL sampler subclasses backed by fastreplay's pure cores."""
+"""TorchRL sampler subclasses (thin adapters over fastreplay's pure cores)."""
 
+from fastreplay.samplers.prioritized import PrioritizedSampler
 from fastreplay.samplers.slice import SliceSampler
 
-__all__ = ["SliceSampler"]
+__all__ = ["PrioritizedSampler", "SliceSampler"]
