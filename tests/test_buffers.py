@@ -27,7 +27,7 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritized
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 import fastreplay
-from conftest import TORCHRL_EXT, requires_cuda, requires_torchrl_ext
+from conftest import TORCHRL_EXT, requires_cuda
 from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer, _pinning
 
 N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
@@ -387,11 +387,15 @@ def test_samples_equal_torchrl(kind: str, pinning: bool, request: pytest.Fixture
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@requires_torchrl_ext
 @pytest.mark.parametrize("prefetch", [None, 2])
 def test_prioritized_buffer_pins_weights_and_matches_torchrl(
-    fake_pinning: FakePinning, prefetch: int | None
+    fake_pinning: FakePinning, prefetch: int | None, monkeypatch: pytest.MonkeyPatch
 ):
+    # Reference: TorchRL's own buffer class driving the same sampler class (TorchRL builds its
+    # sampler by module-level name), so only the pinning differs.
+    import torchrl.data.replay_buffers.replay_buffers.prioritized_tensordict as torchrl_tdprb
+
+    monkeypatch.setattr(torchrl_tdprb, "PrioritizedSampler", fastreplay.PrioritizedSampler)
     kwargs = {"alpha": 0.7, "beta": 0.5, "batch_size": 12}
     ours = TensorDictPrioritizedReplayBuffer(
         storage=LazyTensorStorage(CAPACITY),
@@ -403,6 +407,8 @@ def test_prioritized_buffer_pins_weights_and_matches_torchrl(
     ref = TorchRLPrioritizedBuffer(
         storage=LazyTensorStorage(CAPACITY), generator=generator(2), **kwargs
     )
+    assert type(ours.prioritized_sampler) is fastreplay.PrioritizedSampler
+    assert type(ref.prioritized_sampler) is fastreplay.PrioritizedSampler
     for rb in (ours, ref):
         rb.extend(make_data()[:32])
         rb.extend(make_data()[32:])
@@ -420,6 +426,19 @@ def test_prioritized_buffer_pins_weights_and_matches_torchrl(
             ours.update_tensordict_priority(data)
     finally:
         ours.shutdown()
+
+
+def test_prioritized_buffer_uses_fastreplay_sampler_without_compiled_extension():
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(10))
+    assert type(rb.prioritized_sampler) is fastreplay.PrioritizedSampler
+    rb.extend(
+        TensorDict(obs=torch.arange(4), td_error=torch.tensor([0.1, 0.4, 0.2, 0.3]), batch_size=[4])
+    )
+    assert rb.prioritized_sampler.default_priority == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="sync=False"):
+        TensorDictPrioritizedReplayBuffer(
+            alpha=0.7, beta=0.5, storage=LazyTensorStorage(10, ndim=2), sync=False
+        )
 
 
 def test_prioritized_buffer_rejects_bad_pin_memory_before_building_anything():
@@ -585,7 +604,6 @@ def test_cuda_every_leaf_is_pinned(kind: str, prefetch: int | None):
 
 
 @requires_cuda
-@requires_torchrl_ext
 def test_cuda_prioritized_every_leaf_is_pinned():
     rb = TensorDictPrioritizedReplayBuffer(
         alpha=0.7, beta=0.5, storage=LazyTensorStorage(CAPACITY), batch_size=12, pin_memory=True

@@ -25,6 +25,7 @@ from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 from torchrl.data import TensorDictPrioritizedReplayBuffer as _TorchRLPrioritizedBuffer
 from torchrl.data import TensorDictReplayBuffer as _TorchRLBuffer
+from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
@@ -104,7 +105,11 @@ class _PinnedSampleMixin:
     top of TorchRL's work, plus one host copy per leaf that is not pinned yet.
     """
 
-    def __init__(self, *, pin_memory: bool = False, device: Any = None, **kwargs: Any) -> None:
+    def _fr_init_pinning(self, pin_memory: Any, device: Any) -> None:
+        """Validate ``pin_memory``/``device`` and decide whether samples are pinned.
+
+        Runs before any TorchRL state is built, so bad arguments leave nothing behind.
+        """
         pin_memory = _check_pin_memory(pin_memory)
         device = _check_device(device)
         self._fr_pin_memory = pin_memory
@@ -113,9 +118,6 @@ class _PinnedSampleMixin:
         self._fr_pinning = wants_pinning and _pinning.pinning_available()
         if pin_memory and not self._fr_pinning:
             warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=_user_stacklevel())
-        # TorchRL's own pinning (``pin_memory_output``) stays off: it pins too early and
-        # crashes without an accelerator.
-        super().__init__(pin_memory=False, **kwargs)
 
     @property
     def pin_memory(self) -> bool:
@@ -257,30 +259,105 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
         (['index', 'obs'], torch.Size([8]), False)
     """
 
+    def __init__(self, *, pin_memory: bool = False, device: Any = None, **kwargs: Any) -> None:
+        self._fr_init_pinning(pin_memory, device)
+        # TorchRL's own pinning (``pin_memory_output``) stays off: it pins too early and
+        # crashes without an accelerator.
+        super().__init__(pin_memory=False, **kwargs)
+
 
 class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedBuffer):
-    """TorchRL's ``TensorDictPrioritizedReplayBuffer`` whose samples are pinned in full.
+    """TorchRL's ``TensorDictPrioritizedReplayBuffer`` with fastreplay's sampler, pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`,
-    with the ``pin_memory`` and ``device`` behaviour of :class:`TensorDictReplayBuffer`
-    (``priority_weight`` and ``index`` are pinned too). TorchRL builds its own
-    ``PrioritizedSampler`` here, which needs TorchRL's compiled segment trees; where they do not
-    load, use :class:`TensorDictReplayBuffer` with a prioritized sampler instead.
+    with two differences:
+
+    - the sampler is :class:`fastreplay.PrioritizedSampler` (pure torch, so it works where
+      TorchRL's compiled segment trees do not load; new items get the live max priority of
+      what is still stored);
+    - the ``pin_memory`` and ``device`` behaviour of :class:`TensorDictReplayBuffer`
+      (``priority_weight`` and ``index`` are pinned too).
 
     Args:
+        alpha: Priority exponent (``>= 0``).
+        beta: Importance-sampling exponent (``>= 0``).
+        eps: Added to priorities before ``** alpha``. Defaults to ``1e-8``.
+        reduction: How ``update_tensordict_priority`` reduces per-step priorities
+            (``"max"``, ``"min"``, ``"mean"``, ``"median"``). Defaults to ``"max"``.
+        storage: The storage; defaults to TorchRL's default for this buffer.
+        sampler_device: Device of the priority trees. Defaults to ``None`` (CPU).
+        sync: As in TorchRL: ``False`` samples uniformly in worker processes.
         pin_memory: Pin samples (a bool). Defaults to ``False``.
         device: Where samples are delivered. Must exist on this machine. Defaults to ``None``.
-        **kwargs: Everything :class:`torchrl.data.TensorDictPrioritizedReplayBuffer` accepts
-            (``alpha`` and ``beta`` are required).
+        **kwargs: Everything else :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`
+            accepts (``priority_key``, ``batch_size``, ``transform``, ``prefetch``...).
 
     Raises:
         TypeError: ``pin_memory`` is not a bool, or ``device`` is not a device-like value.
-        ValueError: ``device`` is unknown to torch or absent from this machine.
+        ValueError: ``device`` is unknown to torch or absent from this machine; bad
+            ``alpha``/``beta``/``eps`` (from :class:`fastreplay.PrioritizedSampler`).
 
     Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage
         >>> from fastreplay import TensorDictPrioritizedReplayBuffer
+        >>> rb = TensorDictPrioritizedReplayBuffer(
+        ...     alpha=0.7, beta=0.5, storage=LazyTensorStorage(100), batch_size=4
+        ... )
+        >>> data = TensorDict(obs=torch.arange(10), td_error=torch.rand(10), batch_size=[10])
+        >>> _ = rb.extend(data)
+        >>> sample = rb.sample()
+        >>> sorted(sample.keys())
+        ['index', 'obs', 'priority_weight', 'td_error']
         >>> TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory="yes")
         Traceback (most recent call last):
         ...
         TypeError: pin_memory must be a bool, got 'yes' of type str; ...
     """
+
+    def __init__(
+        self,
+        *,
+        alpha: float,
+        beta: float,
+        eps: float = 1e-8,
+        reduction: str = "max",
+        storage: Any = None,
+        sampler_device: Any = None,
+        sync: bool = True,
+        compilable: bool = False,
+        pin_memory: bool = False,
+        device: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        from fastreplay.samplers.prioritized import PrioritizedSampler
+
+        self._fr_init_pinning(pin_memory, device)
+        # Mirrors TorchRL's ``TensorDictPrioritizedReplayBuffer.__init__`` (torchrl 0.14.1), whose
+        # only difference is that it builds TorchRL's compiled ``PrioritizedSampler``.
+        storage = self._maybe_make_storage(storage, compilable=compilable)
+        prioritized_sampler = PrioritizedSampler(
+            storage.max_size, alpha, beta, eps, reduction=reduction, device=sampler_device
+        )
+        self._sync = sync
+        self._prioritized_sampler = None
+        self._prioritized_sampler_write_count = 0
+        if sync:
+            sampler = prioritized_sampler
+        else:
+            if storage.ndim != 1:
+                raise ValueError(
+                    f"{type(self).__name__} only supports 1-D storages when sync=False, got "
+                    f"storage.ndim={storage.ndim}; pass sync=True or a 1-D storage."
+                )
+            self._prioritized_sampler = prioritized_sampler
+            sampler = RandomSampler()
+        _TorchRLBuffer.__init__(
+            self,
+            storage=storage,
+            sampler=sampler,
+            compilable=compilable,
+            pin_memory=False,
+            **kwargs,
+        )
