@@ -78,19 +78,29 @@ def median_seconds(
     warmup: int = 1,
     setup: Callable[[], object] | None = None,
 ) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` calls; ``setup()`` runs untimed first."""
+    """Median wall time of ``fn()`` over ``repeats`` calls; ``setup()`` runs untimed first.
+
+    As :mod:`timeit` does, garbage is collected once up front and the collector is disabled
+    while timing, so a collection triggered by one library's garbage is not billed to the other.
+    """
     for _ in range(warmup):
         if setup is not None:
             setup()
         fn()
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
     times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    try:
+        for _ in range(repeats):
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    finally:
+        if enabled:
+            gc.enable()
     return statistics.median(times)
 
 

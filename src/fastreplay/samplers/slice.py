@@ -215,6 +215,15 @@ class SliceSampler(_TorchRLSliceSampler):
         ``O(items written since the last call)``, or one ``O(items stored)`` rebuild after
         unreported writes.
         """
+        index = self._fr_index
+        if (
+            index is not None
+            and not self._fr_pending_writes
+            and not self._fr_dirty
+            and self._fr_spec[0] == id(storage)
+            and storage._mutation_revision == self._fr_revision
+        ):
+            return index  # nothing written since the last sync: O(1)
         mode, keys = self._fr_signal_keys(storage)
         leaves = self._fr_leaves(storage, mode, keys)
         rows = int(storage._storage.shape[0])
