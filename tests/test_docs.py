@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # Blocks fenced ``python no-run`` on purpose, per file: changing one is a visible decision.
-EXPECTED_NOT_RUNNABLE: dict[str, int] = {}
+EXPECTED_NOT_RUNNABLE: dict[str, int] = {"README.md": 1, "docs/migration.md": 1}
 
 
 def _modules() -> list[str]:

@@ -45,6 +45,9 @@ import torch
 __all__ = ["PriorityTrees"]
 
 _INF = math.inf
+# Batches larger than this dedupe parents per level (one sort, then ``unique_consecutive``);
+# smaller ones skip that (two ops per call are cheaper than a few redundant reductions).
+_DEDUPE_ABOVE = 256
 
 
 class PriorityTrees:
@@ -142,14 +145,20 @@ class PriorityTrees:
     def _write(self, index: torch.Tensor, leaves: torch.Tensor) -> None:
         index = index.to(device=self.device, dtype=torch.long).reshape(-1)
         self.levels[0].index_copy_(1, index, leaves)
+        # Large batches: sort once so that each level's parents can be deduplicated with
+        # ``unique_consecutive``; otherwise a level would re-reduce ``branching`` children per
+        # leaf, O(k * branching) instead of O(k / branching ** depth).
+        dedupe = index.numel() > _DEDUPE_ABOVE
+        if dedupe:
+            index = index.sort().values
         # Every ancestor index at once: row l holds the level-(l + 1) node of each leaf.
         ancestors = torch.div(index, self._strides[:, None], rounding_mode="floor")
         b = self.branching
         for depth, (child, parent) in enumerate(
             zip(self.levels[:-1], self.levels[1:], strict=True)
         ):
-            node = ancestors[depth]
-            # Duplicated parents are fine: they all write the same recomputed value.
+            node = torch.unique_consecutive(ancestors[depth]) if dedupe else ancestors[depth]
+            # Duplicated parents (small batches) are fine: they write the same recomputed value.
             # (index_select / index_copy_: advanced indexing on dim 1 is ~300x slower on CPU.)
             group = child.view(3, -1, b).index_select(1, node)
             parent.index_copy_(1, node, torch.cat([group[:1].sum(-1), group[1:].amin(-1)]))
