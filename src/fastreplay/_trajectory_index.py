@@ -283,6 +283,11 @@ class TrajectoryIndex:
         Returns:
             ``(start_row, length, column)`` arrays shaped like ``ranks``.
         """
+        if self.columns == 1:  # 1-D storage: no per-column bookkeeping
+            count = self.cols[0].eligible_count(min_length)
+            logical = (ranks + self._rotation_of(0, min_length)) % count
+            records = self.cols[0].eligible_records(min_length, logical)
+            return records[:, 1], records[:, 2], np.zeros(ranks.shape, dtype=np.int64)
         counts = self.counts(min_length)
         ends = np.cumsum(counts)
         col = np.searchsorted(ends, ranks, side="right")

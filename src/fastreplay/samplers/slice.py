@@ -305,12 +305,18 @@ class SliceSampler(_TorchRLSliceSampler):
             return super()._get_stop_and_length(storage, fallback)
         index = self._fr_sync(storage)
         start, stop, length, col = (torch.from_numpy(a) for a in index.boundaries())
-        coords = self._fr_coords(storage, col)
         return (
-            torch.cat([start[:, None], coords], 1),
-            torch.cat([stop[:, None], coords], 1),
+            self._fr_with_coords(storage, start, col),
+            self._fr_with_coords(storage, stop, col),
             length,
         )
+
+    @classmethod
+    def _fr_with_coords(cls, storage: Any, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """``[n, storage.ndim]`` indices: the time row, then the column's coordinates."""
+        if storage.ndim == 1:
+            return rows[:, None]
+        return torch.cat([rows[:, None], cls._fr_coords(storage, col)], 1)
 
     @staticmethod
     def _fr_coords(storage: Any, col: torch.Tensor) -> torch.Tensor:
@@ -348,7 +354,7 @@ class SliceSampler(_TorchRLSliceSampler):
             n_long if min_length > 1 else n_all, (num_slices,), generator=self._rng
         )
         start, length, col = (torch.from_numpy(a) for a in index.select(ranks.numpy(), min_length))
-        start_idx = torch.cat([start[:, None], self._fr_coords(storage, col)], 1)
+        start_idx = self._fr_with_coords(storage, start, col)
         target = None
         seq: int | torch.Tensor = seq_length
         if any_short and not self.strict_length:
