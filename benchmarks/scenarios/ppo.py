@@ -91,7 +91,10 @@ def run(args) -> list[Result]:
         f"({total_ratio:.1f}x); time chunked/one-shot {time_ratio:.2f}",
         flush=True,
     )
-    case = f"batch {fmt_count(args.ppo_batch)}, chunk {args.ppo_chunk}, {chunked['threads']} thr"
+    case = (
+        f"chunked vs one-shot, batch {fmt_count(args.ppo_batch)}, chunk {args.ppo_chunk}, "
+        f"{chunked['threads']} thr"
+    )
     return [
         Result(
             scenario=NAME,
