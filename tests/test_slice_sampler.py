@@ -260,12 +260,16 @@ def test_wrong_dtype_or_shape_of_done_flags_is_a_clear_error() -> None:
     rb.extend(TensorDict({"done": torch.zeros(10, 1)}, [10]))
     with pytest.raises(TypeError, match=r"end_key='done' holds torch.float32.*torch.bool"):
         fast.sample(storage, 4)
+    # Nothing was indexed, the buffer is intact.
+    assert fast._fr_index is None and len(rb) == 10
+    assert torch.equal(storage[:10]["done"], torch.zeros(10, 1))
     storage2 = LazyTensorStorage(20)
     fast2 = SliceSampler(num_slices=2, end_key="done")
     rb2 = ReplayBuffer(storage=storage2, sampler=fast2)
     rb2.extend(TensorDict({"done": torch.zeros(10, 2, dtype=torch.bool)}, [10]))
     with pytest.raises(ValueError, match=r"end_key='done' has shape \(20, 2\); expected \(20,\)"):
         fast2.sample(storage2, 4)
+    assert fast2._fr_index is None and len(rb2) == 10
     fast3 = SliceSampler(num_slices=2, traj_key="done")
     with pytest.raises(TypeError, match=r"traj_key='done' holds torch.bool.*torch.int64"):
         fast3.sample(storage2, 4)
