@@ -44,12 +44,7 @@ def _fill(rb: ReplayBuffer, stored: int, episode_len: int, end: str, offset: int
     with progress(stored, f"fill {fmt_count(stored)} ({end}, episodes of {episode_len})") as bar:
         for lo in range(0, stored, _CHUNK):
             steps = torch.arange(offset + lo, offset + min(lo + _CHUNK, stored))
-            if end == "done":
-                td = TensorDict({_DONE: (steps % episode_len == episode_len - 1)[:, None]})
-            else:
-                td = TensorDict({"traj": steps // episode_len})
-            td.batch_size = [steps.numel()]
-            rb.extend(td)
+            rb.extend(_steps_data(steps, episode_len, end))
             bar(steps.numel())
 
 
@@ -161,9 +156,11 @@ def run(args: argparse.Namespace) -> list[Result]:
 
 
 def _fill_quiet(rb: ReplayBuffer, n: int, episode_len: int, end: str, offset: int) -> None:
-    steps = torch.arange(offset, offset + n)
+    rb.extend(_steps_data(torch.arange(offset, offset + n), episode_len, end))
+
+
+def _steps_data(steps: torch.Tensor, episode_len: int, end: str) -> TensorDict:
+    """The boundary key for global steps ``steps``: done flags or trajectory ids."""
     if end == "done":
-        td = TensorDict({_DONE: (steps % episode_len == episode_len - 1)[:, None]}, [n])
-    else:
-        td = TensorDict({"traj": steps // episode_len}, [n])
-    rb.extend(td)
+        return TensorDict({_DONE: (steps % episode_len == episode_len - 1)[:, None]}, [len(steps)])
+    return TensorDict({"traj": steps // episode_len}, [len(steps)])

@@ -242,17 +242,13 @@ class SliceSampler(_TorchRLSliceSampler):
             and sum(n for _, n in self._fr_pending) < rows
         )
         try:
-            try:
-                if not incremental:
-                    raise ValueError("rebuild")
-                for first, n in self._fr_pending:
-                    for offset in range(0, n, _READ_CHUNK):
-                        row = (first + offset) % rows
-                        chunk = min(_READ_CHUNK, n - offset)
-                        index.write(row, self._fr_read(leaves, row, chunk, rows))
-                if not self._fr_matches(index, storage):
-                    raise ValueError("rebuild")
-            except ValueError:
+            if incremental:
+                try:
+                    for first, n in self._fr_pending:
+                        self._fr_write_run(index, leaves, first, n, rows)
+                except ValueError:  # a run did not follow the cursor: not a round-robin write
+                    incremental = False
+            if not (incremental and self._fr_matches(index, storage)):
                 self._fr_rebuild(index, storage, leaves, rows)
         except BaseException:
             self._fr_index, self._fr_dirty = None, True
@@ -269,30 +265,30 @@ class SliceSampler(_TorchRLSliceSampler):
         cursor = storage._last_cursor_index
         return not full or cursor is None or cursor == index.cursor
 
+    def _fr_write_run(
+        self, index: TrajectoryIndex, leaves: list[torch.Tensor], first: int, n: int, rows: int
+    ) -> None:
+        """Index ``n`` rows written from row ``first`` (wrapping), reading them in chunks."""
+        for offset in range(0, n, _READ_CHUNK):
+            row = (first + offset) % rows
+            index.write(row, self._fr_read(leaves, row, min(_READ_CHUNK, n - offset), rows))
+
     def _fr_rebuild(
         self, index: TrajectoryIndex, storage: Any, leaves: list[torch.Tensor], rows: int
     ) -> None:
         index.reset()
-        size = storage._len_along_dim0 or 0
         first = 0
         if storage._is_full:
             cursor = storage._last_cursor_index
             first = (cursor + 1) % rows if cursor is not None else 0
-        for offset in range(0, size, _READ_CHUNK):
-            n = min(_READ_CHUNK, size - offset)
-            row = (first + offset) % rows
-            index.write(row, self._fr_read(leaves, row, n, rows))
+        self._fr_write_run(index, leaves, first, storage._len_along_dim0 or 0, rows)
 
     # ------------------------------------------------------------------------ sampling
     def _fr_batch(self, batch_size: int) -> tuple[int, int]:
-        size, name = (
-            (self.num_slices, "num_slices")
-            if self.num_slices
-            else (
-                self.slice_len,
-                "slice_len",
-            )
-        )
+        if self.num_slices:
+            size, name = self.num_slices, "num_slices"
+        else:
+            size, name = self.slice_len, "slice_len"
         if batch_size % size:
             raise SliceSamplerError(
                 f"batch_size={batch_size} is not divisible by {name}={size}; pass a batch "
