@@ -1,5 +1,6 @@
 """Conformance suite: behaviour written once, run against TorchRL's class and fastreplay's.
 
+Test modules import data helpers as ``from conformance.conftest import episodes``.
 Every test here takes an ``impl`` fixture (or one of the ``*_cls`` fixtures below) whose params
 are ``"torchrl"`` and ``"fastreplay"``. A behaviour TorchRL keeps and fastreplay breaks fails
 on the fastreplay side; where TorchRL's compiled extension is missing, the TorchRL side of the

@@ -1,0 +1,1 @@
+"""Conformance tests: one behaviour, TorchRL's class and fastreplay's."""
