@@ -285,14 +285,14 @@ def test_bad_types_and_construction() -> None:
     with pytest.raises(TypeError, match="index must hold integers"):
         sampler.update_priority(torch.tensor([0.5]), 1.0)
     for kwargs, match in [
-        ({"alpha": -0.1}, r"alpha must be >= 0, got alpha=-0.1"),
-        ({"beta": -1.0}, r"beta must be >= 0, got beta=-1.0"),
+        ({"alpha": -0.1}, r"alpha must be greater or equal than 0, got alpha=-0.1"),
+        ({"beta": -1.0}, r"beta must be greater or equal to 0, got beta=-1.0"),
         ({"upper_priority": 0.0}, r"upper_priority must be > 0, got upper_priority=0.0"),
     ]:
         args = {"alpha": 1.0, "beta": 1.0} | kwargs
         with pytest.raises(ValueError, match=match):
             PrioritizedSampler(7, **args)
-    with pytest.raises(ValueError, match="alpha must be >= 0"):
+    with pytest.raises(ValueError, match="alpha must be greater or equal than 0"):
         sampler.alpha = -1.0
     assert sampler.alpha == 1.0
 

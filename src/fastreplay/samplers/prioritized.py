@@ -23,7 +23,12 @@ from torchrl.data.replay_buffers.storages import Storage
 from fastreplay._segment_tree import PriorityTrees
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 
-__all__ = ["CheckpointError", "PrioritizedSampler", "PriorityOverflowError"]
+__all__ = [
+    "CheckpointError",
+    "PrioritizedSampler",
+    "PriorityOverflowError",
+    "PriorityShapeError",
+]
 
 _FORMAT = "fastreplay.PrioritizedSampler"
 _SCHEMA_VERSION = 1
@@ -39,6 +44,17 @@ class PriorityOverflowError(OverflowError, ValueError):
     An :class:`OverflowError` (what TorchRL raises when such a mass reaches its trees) and a
     :class:`ValueError` (what fastreplay raises for other bad priorities).
     """
+
+
+class PriorityShapeError(ValueError, RuntimeError):
+    """Priorities that do not match the index, or coordinates without ``storage``.
+
+    A :class:`RuntimeError`, as TorchRL raises in these cases, and a :class:`ValueError`.
+    """
+
+
+class _UnsupportedError(ValueError, NotImplementedError):
+    """An unsupported ``dtype`` (TorchRL raises :class:`NotImplementedError`)."""
 
 
 class CheckpointError(ValueError, KeyError, RuntimeError):
@@ -156,9 +172,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if max_capacity < 1:
             raise ValueError(f"max_capacity must be >= 1, got max_capacity={max_capacity}")
         if not alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got alpha={alpha}; use 0 for uniform")
+            raise ValueError(
+                f"alpha must be greater or equal than 0, got alpha={alpha}; use 0 for uniform"
+            )
         if not beta >= 0:
-            raise ValueError(f"beta must be >= 0, got beta={beta}; use 0 for no correction")
+            raise ValueError(
+                f"beta must be greater or equal to 0, got beta={beta}; use 0 for no correction"
+            )
         if not eps >= 0 or math.isinf(eps):
             raise ValueError(f"eps must be a finite number >= 0, got eps={eps}")
         if not upper_priority > 0:
@@ -169,7 +189,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if not (initial_priority >= 0 and math.isfinite(initial_priority)):
             raise ValueError(f"initial_priority must be finite and >= 0, got {initial_priority}")
         if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
+            raise _UnsupportedError(
+                f"dtype must be torch.float32 or torch.float64, got dtype={dtype}"
+            )
         self._max_capacity = max_capacity
         self._alpha = alpha
         self._beta = beta
@@ -257,7 +279,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         # Under the sampler's lock: a concurrent ``sample`` (e.g. a prefetch thread) sees the
         # old or the new alpha, never half-rebuilt trees (weights above 1).
         if not value >= 0:
-            raise ValueError(f"alpha must be >= 0, got alpha={value}; use 0 for uniform")
+            raise ValueError(
+                f"alpha must be greater or equal than 0, got alpha={value}; use 0 for uniform"
+            )
         if value == self._alpha:
             return
         for p_max in (self._trees.max_raw(), self._default_value()):
@@ -344,7 +368,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         index = index.long()
         if index.ndim > 1:
             if storage is None:
-                raise ValueError(
+                raise PriorityShapeError(
                     f"index of shape {tuple(index.shape)} holds multi-dimensional coordinates: "
                     "pass storage=... so they can be flattened"
                 )
@@ -413,7 +437,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if priority.numel() == 1:
             priority = priority.reshape(1).expand(flat.numel())
         elif priority.numel() != flat.numel():
-            raise ValueError(
+            raise PriorityShapeError(
                 f"priority has {priority.numel()} elements (shape {tuple(priority.shape)}) but "
                 f"index has {flat.numel()} (shape {tuple(torch.as_tensor(index).shape)}): pass "
                 "one priority per index or a single number; nothing was updated"
