@@ -627,3 +627,16 @@ def test_default_priority_is_a_tensor_holding_the_live_max() -> None:
     assert sampler.default_priority.item() == pytest.approx(0.2)  # the live max, at once
     rb.extend(torch.tensor([3]))
     assert sampler._trees.raw()[3].item() == 0.2  # new items get the exact float64 max
+
+
+@requires_cuda
+def test_cuda_views_and_default_priority() -> None:
+    sampler = PrioritizedSampler(50, 1.0, 1.0, eps=0.0, device="cuda")
+    sampler.update_priority(torch.arange(3, device="cuda"), torch.tensor([1.0, 2.0, 4.0]))
+    assert sampler.default_priority.device.type == "cuda"
+    got = sampler._sum_tree[torch.arange(4, device="cuda")]
+    assert got.device.type == "cuda" and got.tolist() == [1.0, 2.0, 4.0, 0.0]
+    bound = sampler._sum_tree.scan_lower_bound(torch.tensor([0.5, 3.0, 3.5], device="cuda"))
+    assert bound.tolist() == [0, 1, 2]
+    assert sampler._sum_tree.query(0, 50) == 7.0 and sampler._min_tree.query(1, 3) == 2.0
+    assert sampler._max_priority[1].device.type == "cuda"

@@ -107,8 +107,20 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     * The trees are pure torch (CPU or CUDA, no compiled extension), batched:
       ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
-      and indices outside the stored range raise :class:`ValueError` and change nothing.
-    * ``dumps``/``loads`` and ``state_dict`` are vectorized (no per-slot Python loop).
+      and indices outside the stored range raise :class:`ValueError` (a
+      :class:`PriorityShapeError`, also a :class:`RuntimeError` as in TorchRL, for shapes), a
+      priority whose mass overflows ``dtype`` raises :class:`PriorityOverflowError` (an
+      :class:`OverflowError`, as in TorchRL), and nothing changes.
+    * A storage with more slots than ``max_capacity`` (an ``ndim=2`` storage rounded up to a
+      multiple of the number of envs, or a smaller ``max_capacity`` as TorchRL's tests use)
+      grows the trees before its rows are prioritised: every stored row can be sampled.
+    * ``dumps``/``loads`` and ``state_dict`` are vectorized (no per-slot Python loop); a
+      TorchRL checkpoint or a damaged one raises :class:`CheckpointError` before anything
+      changes.
+    * ``alpha`` changes, priority updates, checkpoint loads and ``sample`` hold one lock, so a
+      prefetch thread never samples half-rebuilt trees.
+    * ``_sum_tree``, ``_min_tree`` and ``_max_priority`` (private in TorchRL, read by its tests
+      and by user code) are read-only views with TorchRL's return types.
 
     Args:
         max_capacity: number of slots (the storage's ``max_size``).
@@ -138,15 +150,17 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         >>> from fastreplay import PrioritizedSampler
         >>> sampler = PrioritizedSampler(max_capacity=7, alpha=1.0, beta=1.0)
         >>> rb = ReplayBuffer(storage=LazyTensorStorage(7), sampler=sampler, batch_size=4)
-        >>> index = rb.extend(torch.arange(5))
-        >>> sampler.default_priority  # nothing prioritised yet: initial_priority
+        >>> sampler.default_priority  # nothing stored yet: initial_priority, a float
         1.0
+        >>> index = rb.extend(torch.arange(5))
         >>> rb.update_priority(index, torch.tensor([0.5, 3.0, 0.1, 0.2, 0.3]))
-        >>> sampler.default_priority  # the live max
-        3.0
+        >>> sampler.default_priority  # the live max, a tensor as in TorchRL
+        tensor(3.)
         >>> rb.update_priority(torch.tensor([1]), torch.tensor([0.4]))
         >>> sampler.default_priority  # lowering the max item lowers the default at once
-        0.5
+        tensor(0.5000)
+        >>> sampler._sum_tree.query(0, 7), sampler._sum_tree[1]  # TorchRL's private reads
+        (1.5, 0.4000000059604645)
         >>> data, info = rb.sample(return_info=True)
         >>> data.shape, info["priority_weight"].dtype
         (torch.Size([4]), torch.float32)
