@@ -229,7 +229,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._slots = self._max_capacity
         self._trees = self._new_trees(self._slots)
         self._all_time_max = -math.inf
-        self._all_time_at: tuple[torch.Tensor, torch.Tensor] | int | None = None
+        self._all_time_at: int | None = None
 
     @_locked
     def _empty(self) -> None:
@@ -469,7 +469,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         flat, raw, p_max = checked
         self._check_mass(p_max, what="priority")
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
-            self._all_time_at = (flat, raw)  # where the all-time max was set, for _max_priority
+            self._all_time_at = int(flat[raw.argmax()])  # read by the _max_priority view
         if flat.numel() > 1:
             # Repeated slots: the last occurrence wins, as in TorchRL.
             # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
@@ -594,12 +594,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
     def _all_time_index(self) -> int | None:
         """Slot where the all-time max priority was set (``max_priority_within_buffer=False``)."""
-        at = self._all_time_at
-        if isinstance(at, tuple):  # resolved lazily: the write path only keeps references
-            flat, raw = at
-            at = int(flat[int((raw == raw.max()).nonzero()[0, 0])])
-            self._all_time_at = at
-        return at
+        return self._all_time_at
 
     def _checked(
         self, metadata: Any, mass: Any, raw: Any, source: str
