@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
+import sys
+import threading
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -285,14 +290,14 @@ def test_bad_types_and_construction() -> None:
     with pytest.raises(TypeError, match="index must hold integers"):
         sampler.update_priority(torch.tensor([0.5]), 1.0)
     for kwargs, match in [
-        ({"alpha": -0.1}, r"alpha must be >= 0, got alpha=-0.1"),
-        ({"beta": -1.0}, r"beta must be >= 0, got beta=-1.0"),
+        ({"alpha": -0.1}, r"alpha must be greater or equal than 0, got alpha=-0.1"),
+        ({"beta": -1.0}, r"beta must be greater or equal to 0, got beta=-1.0"),
         ({"upper_priority": 0.0}, r"upper_priority must be > 0, got upper_priority=0.0"),
     ]:
         args = {"alpha": 1.0, "beta": 1.0} | kwargs
         with pytest.raises(ValueError, match=match):
             PrioritizedSampler(7, **args)
-    with pytest.raises(ValueError, match="alpha must be >= 0"):
+    with pytest.raises(ValueError, match="alpha must be greater or equal than 0"):
         sampler.alpha = -1.0
     assert sampler.alpha == 1.0
 
@@ -351,3 +356,287 @@ def test_cuda_trees() -> None:
     _, info = rb.sample(64, return_info=True)
     assert info["index"].device.type == "cuda" and int(info["index"].max()) < 30
     assert sampler.default_priority == sampler._trees.raw()[:30].max().item()
+
+
+# ---------------------------------------------------------------- storages larger than the trees
+@pytest.mark.parametrize(("envs", "steps"), [(3, 4), (7, 3)])
+def test_ndim2_storage_rounded_up_grows_the_trees(envs: int, steps: int) -> None:
+    """``LazyTensorStorage(50, ndim=2)`` holds ``ceil(50 / envs) * envs`` slots: all get mass."""
+    sampler = PrioritizedSampler(50, alpha=1.0, beta=1.0, eps=0.0)
+    storage = LazyTensorStorage(50, ndim=2)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler)
+    slots = -(-50 // envs) * envs
+    written = 0
+    while written < 2 * slots:  # fill, then wrap around
+        obs = torch.arange(envs * steps).view(envs, steps) + written
+        rb.extend(TensorDict({"obs": obs}, [envs, steps]))
+        written += envs * steps
+    assert len(storage) == slots > 50
+    raw = sampler._trees.raw()
+    assert raw.numel() == slots and (raw == 1.0).all()  # every stored slot has a priority
+    last = (torch.tensor([slots // envs - 1]), torch.tensor([envs - 1]))
+    rb.update_priority(last, torch.tensor([1e6]))
+    _, info = rb.sample(64, return_info=True)
+    rows, cols = info["index"]
+    assert ((rows == last[0]) & (cols == last[1])).float().mean() > 0.9
+
+
+def test_max_capacity_smaller_than_storage_grows_and_checkpoints(tmp_path) -> None:
+    """Past TorchRL's power-of-two padding too: a 5-slot sampler on a 40-slot storage."""
+    sampler = PrioritizedSampler(5, alpha=1.0, beta=1.0, eps=0.0)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(40), sampler=sampler, priority_key="p")
+    mirror = torch.full((40,), -math.inf, dtype=torch.float64)
+    for i in range(12):  # 36 rows: trees grow 5 -> 10 -> 20 -> 40 before each write
+        p = torch.arange(3) + 3.0 * i + 1
+        index = rb.extend(TensorDict({"obs": torch.arange(3) + 3 * i, "p": p}, [3]))
+        mirror[index] = p.double()
+        assert sampler._slots >= len(rb)
+    assert sampler._slots == 40 and sampler.max_size == 5
+    assert torch.equal(sampler._trees.raw(), mirror)
+    _, info = rb.sample(4000, return_info=True)
+    counts = torch.bincount(info["index"], minlength=40).double()
+    probs = torch.where(mirror > -math.inf, mirror, 0.0)
+    assert _chi_square_ok(counts, probs / probs.sum())
+    # checkpoints keep every slot; a fresh 5-slot sampler grows when it loads them
+    rb.dumps(tmp_path / "rb")
+    other = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(40), sampler=PrioritizedSampler(5, 1.0, 1.0, eps=0.0)
+    )
+    other.loads(tmp_path / "rb")
+    fresh = PrioritizedSampler(5, 1.0, 1.0, eps=0.0)
+    fresh.load_state_dict(sampler.state_dict())
+    for restored in (other.sampler, fresh):
+        assert torch.equal(restored._trees.raw(), mirror)
+
+
+# ---------------------------------------------------------------- mass overflow
+@pytest.mark.parametrize(
+    ("dtype", "alpha", "priority"),
+    [(torch.float32, 2.0, 1e20), (torch.float32, 1.5, 3e38), (torch.float64, 2.0, 1e200)],
+)
+def test_mass_overflow_is_rejected_atomically(dtype, alpha: float, priority: float) -> None:
+    sampler = PrioritizedSampler(7, alpha=alpha, beta=1.0, dtype=dtype)
+    rb = ReplayBuffer(storage=LazyTensorStorage(7), sampler=sampler)
+    rb.extend(torch.arange(5))
+    rb.update_priority(torch.arange(5), torch.arange(1.0, 6.0))
+    before = sampler.state_dict()
+    bad = torch.tensor([2.0, priority], dtype=torch.float64)
+    with pytest.raises(OverflowError, match=r"does not fit dtype=float.*nothing was changed"):
+        rb.update_priority(torch.tensor([0, 1]), bad)
+    with pytest.raises(ValueError, match=r"sampling mass \(p \+ eps\) \*\* alpha"):
+        rb.update_priority(torch.tensor([0, 1]), bad)
+    after = sampler.state_dict()
+    assert torch.equal(after["_raw"], before["_raw"])
+    assert torch.equal(after["_mass"], before["_mass"])
+    _, info = rb.sample(2000, return_info=True)
+    assert torch.bincount(info["index"], minlength=5).min() > 0  # still proportional
+
+
+def test_mass_overflow_from_alpha_or_initial_priority_is_refused() -> None:
+    sampler = PrioritizedSampler(7, alpha=1.0, beta=1.0)
+    sampler.update_priority(torch.tensor([0, 1]), torch.tensor([1e20, 1.0]))
+    before = sampler.state_dict()
+    with pytest.raises(OverflowError, match=r"setting alpha=2\.0 would give"):
+        sampler.alpha = 2.0
+    assert sampler.alpha == 1.0
+    assert torch.equal(sampler.state_dict()["_mass"], before["_mass"])
+    with pytest.raises(OverflowError, match=r"initial_priority=1e\+20 gives"):
+        PrioritizedSampler(7, alpha=2.0, beta=1.0, initial_priority=1e20)
+    assert PrioritizedSampler(7, 2.0, 1.0, initial_priority=1e20, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- checkpoints
+def _torchrl_like_state() -> dict:
+    """The keys of ``torchrl.data.PrioritizedSampler.state_dict()`` (trees are opaque)."""
+    return {
+        "_schema_version": 1,
+        "_alpha": 0.25,
+        "_beta": 0.5,
+        "_eps": 1e-8,
+        "_max_priority": (torch.tensor(3.0), torch.tensor(1)),
+        "_sum_tree": object(),
+        "_min_tree": object(),
+    }
+
+
+def _snapshot(sampler: PrioritizedSampler) -> tuple:
+    state = sampler.state_dict()
+    return state["_raw"], state["_mass"], sampler.alpha, sampler._beta, sampler._eps
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_load_state_dict_errors_change_nothing(tmp_path) -> None:
+    sampler = PrioritizedSampler(7, alpha=0.7, beta=0.4)
+    sampler.update_priority(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]))
+    before = _snapshot(sampler)
+    with pytest.raises(KeyError, match=r"written by torchrl.data.PrioritizedSampler"):
+        sampler.load_state_dict(_torchrl_like_state())
+    assert _same(_snapshot(sampler), before)
+    good = PrioritizedSampler(7, alpha=0.1, beta=0.9).state_dict()
+    for damage, match in [
+        ({"_mass": torch.zeros(3), "_raw": torch.zeros(3)}, "have 3 masses and 3 raw"),
+        ({"_raw": torch.zeros(8)}, "7 masses and 8 raw"),
+        ({"_max_capacity": 8}, "max_capacity=8 differs"),
+        ({"dtype": "int64"}, "dtype='int64'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            sampler.load_state_dict(good | damage)
+        assert _same(_snapshot(sampler), before)  # alpha too
+    missing = {k: v for k, v in good.items() if k != "_raw"}
+    with pytest.raises(KeyError, match=r"missing \['_raw'\]"):
+        sampler.load_state_dict(missing)
+    assert _same(_snapshot(sampler), before)
+    # a TorchRL dumps folder
+    (tmp_path / "sumtree.memmap").write_bytes(b"\0" * 56)
+    (tmp_path / "sampler_metadata.json").write_text('{"_alpha": 0.5, "_max_capacity": 7}')
+    with pytest.raises(RuntimeError, match="folder was written by torchrl"):
+        sampler.loads(tmp_path)
+    assert _same(_snapshot(sampler), before)
+
+
+@requires_torchrl_ext
+def test_load_torchrl_state_dict_is_a_clear_error() -> None:
+    from torchrl.data import PrioritizedSampler as TorchRLSampler
+
+    theirs = TorchRLSampler(7, 0.5, 0.5)
+    theirs.update_priority(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]))
+    ours = PrioritizedSampler(7, 0.7, 0.4)
+    before = _snapshot(ours)
+    with pytest.raises(KeyError, match="cannot read"):
+        ours.load_state_dict(theirs.state_dict())
+    assert _same(_snapshot(ours), before)
+
+
+def test_copies_and_pickles_keep_priorities() -> None:
+    sampler = PrioritizedSampler(7, alpha=0.7, beta=0.4)
+    sampler.update_priority(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]))
+    for clone in (copy.deepcopy(sampler), pickle.loads(pickle.dumps(sampler))):
+        assert _same(_snapshot(clone), _snapshot(sampler))
+        assert clone._fr_lock is not sampler._fr_lock
+        clone.alpha = 0.3  # the clone's lock works
+        assert sampler.alpha == 0.7
+
+
+# ---------------------------------------------------------------- alpha from another thread
+def test_alpha_change_is_atomic_with_sampling() -> None:
+    """A prefetch-style thread samples while the main thread anneals ``alpha``: weights <= 1."""
+    capacity = 1023
+    sampler = PrioritizedSampler(capacity, alpha=0.5, beta=1.0)
+    storage = LazyTensorStorage(capacity)
+    rb = ReplayBuffer(storage=storage, sampler=sampler)
+    rb.extend(torch.arange(capacity))
+    rb.update_priority(torch.arange(capacity), torch.logspace(-3, 3, capacity))
+    stop, worst, errors = threading.Event(), [0.0], []
+
+    def sample_loop() -> None:
+        try:
+            while not stop.is_set():
+                _, info = sampler.sample(storage, 256)
+                worst[0] = max(worst[0], float(info["priority_weight"].max()))
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=sample_loop, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread.start()
+    try:
+        for i in range(400):
+            sampler.alpha = (0.5, 2.0)[i % 2]
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        sys.setswitchinterval(interval)
+    assert not thread.is_alive() and not errors
+    assert worst[0] <= 1.0
+
+
+# ---------------------------------------------------------------- TorchRL's private views
+def test_tree_views_are_read_only() -> None:
+    sampler = PrioritizedSampler(7, alpha=1.0, beta=1.0)
+    sampler.update_priority(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]))
+    before = _snapshot(sampler)
+    with pytest.raises(TypeError, match=r"read-only view .* sampler\.update_priority"):
+        sampler._sum_tree[0] = 5.0
+    with pytest.raises(TypeError, match="read-only view"):
+        sampler._min_tree.update(torch.tensor([0]), torch.tensor([5.0]))
+    for name in ("_sum_tree", "_min_tree", "_max_priority"):
+        with pytest.raises(AttributeError, match=f"{name} is a read-only view"):
+            setattr(sampler, name, None)
+    with pytest.raises(IndexError, match=r"out of range for 7 slots: \[7\]"):
+        sampler._sum_tree[7]
+    assert _same(_snapshot(sampler), before)
+    assert list(sampler._sum_tree)[:4] == [1.0, 2.0, 3.0, 0.0] and len(sampler._min_tree) == 7
+
+
+@requires_torchrl_ext
+@pytest.mark.parametrize("capacity", [7, 50, 1023])
+def test_tree_views_match_torchrl_compiled_trees(capacity: int) -> None:
+    """Same writes into TorchRL's sampler and ours: every read of the views agrees."""
+    from torchrl.data import PrioritizedSampler as TorchRLSampler
+
+    gen = torch.Generator().manual_seed(capacity)
+    ours = PrioritizedSampler(capacity, 0.7, 0.4, max_priority_within_buffer=False)
+    theirs = TorchRLSampler(capacity, 0.7, 0.4)
+    for _ in range(5):
+        index = torch.randint(0, capacity, (max(2, capacity // 4),), generator=gen).unique()
+        priority = torch.rand(index.numel(), generator=gen) * 3
+        ours.update_priority(index, priority)
+        theirs.update_priority(index, priority)
+    slots = torch.arange(capacity)
+    close = {"rtol": 1e-6, "atol": 0}  # TorchRL rounds its float32 pow differently (1 ulp)
+    for view, ref in ((ours._sum_tree, theirs._sum_tree), (ours._min_tree, theirs._min_tree)):
+        torch.testing.assert_close(view[slots], ref[slots], **close)
+        got, want = [view[i] for i in range(capacity)], [ref[i] for i in range(capacity)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **close)
+        got, want = view[slots.numpy()], ref[slots.numpy()]
+        assert got.dtype == want.dtype and np.allclose(got, want, rtol=1e-6, atol=0)
+        lo = torch.randint(0, capacity, (20,), generator=gen)
+        hi = (lo + torch.randint(0, capacity, (20,), generator=gen)).clamp_max(capacity)
+        for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
+            assert view.query(a, b) == pytest.approx(ref.query(a, b), rel=1e-5)
+        assert view.identity_element == ref.identity_element
+    # lower bound at random masses and at the exact prefix sums (ties)
+    leaves = ours._trees.leaf_mass()
+    cumsum = leaves.cumsum(0)
+    mass = torch.cat([torch.rand(50, generator=gen).double() * cumsum[-1], cumsum[::3]])
+    brute = torch.searchsorted(cumsum, mass, side="left").clamp_max(capacity)
+    assert torch.equal(ours._sum_tree.scan_lower_bound(mass), brute)
+    inner = mass[(mass - cumsum[::3].amin()).abs() > 1e-3][:50].float()  # away from ties
+    assert torch.equal(
+        ours._sum_tree.scan_lower_bound(inner), theirs._sum_tree.scan_lower_bound(inner)
+    )
+    assert float(ours._max_priority[0]) == float(theirs._max_priority[0])
+    assert int(ours._max_priority[1]) == int(theirs._max_priority[1])
+
+
+# ---------------------------------------------------------------- default_priority
+def test_default_priority_is_a_tensor_holding_the_live_max() -> None:
+    sampler = PrioritizedSampler(7, alpha=1.0, beta=1.0, initial_priority=2.5)
+    rb = ReplayBuffer(storage=LazyTensorStorage(7), sampler=sampler)
+    assert sampler.default_priority == 2.5 and isinstance(sampler.default_priority, float)
+    rb.extend(torch.arange(3))
+    rb.update_priority(torch.arange(3), torch.tensor([0.1, 9.0, 0.2], dtype=torch.float64))
+    default = sampler.default_priority
+    assert isinstance(default, torch.Tensor) and default.dtype == torch.float32
+    assert default.shape == () and default.item() == 9.0
+    rb.update_priority(torch.tensor([1]), torch.tensor([0.0]))
+    assert sampler.default_priority.item() == pytest.approx(0.2)  # the live max, at once
+    rb.extend(torch.tensor([3]))
+    assert sampler._trees.raw()[3].item() == 0.2  # new items get the exact float64 max
+
+
+@requires_cuda
+def test_cuda_views_and_default_priority() -> None:
+    sampler = PrioritizedSampler(50, 1.0, 1.0, eps=0.0, device="cuda")
+    sampler.update_priority(torch.arange(3, device="cuda"), torch.tensor([1.0, 2.0, 4.0]))
+    assert sampler.default_priority.device.type == "cuda"
+    got = sampler._sum_tree[torch.arange(4, device="cuda")]
+    assert got.device.type == "cuda" and got.tolist() == [1.0, 2.0, 4.0, 0.0]
+    bound = sampler._sum_tree.scan_lower_bound(torch.tensor([0.5, 3.0, 3.5], device="cuda"))
+    assert bound.tolist() == [0, 1, 2]
+    assert sampler._sum_tree.query(0, 50) == 7.0 and sampler._min_tree.query(1, 3) == 2.0
+    assert sampler._max_priority[1].device.type == "cuda"

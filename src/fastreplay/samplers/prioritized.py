@@ -6,10 +6,14 @@ TorchRL's sampler contract (arguments, index formats, ``mark_update``, checkpoin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -17,12 +21,66 @@ from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._segment_tree import PriorityTrees
+from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 
-__all__ = ["PrioritizedSampler"]
+__all__ = [
+    "CheckpointError",
+    "PrioritizedSampler",
+    "PriorityOverflowError",
+    "PriorityShapeError",
+]
 
 _FORMAT = "fastreplay.PrioritizedSampler"
 _SCHEMA_VERSION = 1
 _FLOAT_DTYPES = (torch.float32, torch.float64)
+# A float64 value rounds to a finite float32 iff it is below FLT_MAX + half an ulp (2 ** 103).
+_FLOAT32_LIMIT = float(torch.finfo(torch.float32).max) + 2.0**103
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+class PriorityOverflowError(OverflowError, ValueError):
+    """A priority whose sampling mass ``(p + eps) ** alpha`` does not fit the sampler's dtype.
+
+    An :class:`OverflowError` (what TorchRL raises when such a mass reaches its trees) and a
+    :class:`ValueError` (what fastreplay raises for other bad priorities).
+    """
+
+
+class PriorityShapeError(ValueError, RuntimeError):
+    """Priorities that do not match the index, or coordinates without ``storage``.
+
+    A :class:`RuntimeError`, as TorchRL raises in these cases, and a :class:`ValueError`.
+    """
+
+
+class _UnsupportedError(ValueError, NotImplementedError):
+    """An unsupported ``dtype`` (TorchRL raises :class:`NotImplementedError`)."""
+
+
+class CheckpointError(ValueError, KeyError, RuntimeError):
+    """A state dict or ``dumps`` folder this sampler cannot load; nothing was changed.
+
+    Subclasses the errors TorchRL raises for foreign or mismatched checkpoints
+    (:class:`KeyError` for a missing key, :class:`RuntimeError` for another capacity) and
+    :class:`ValueError`.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _locked(method: _Method) -> _Method:
+    """Run ``method`` under the sampler's re-entrant lock.
+
+    Sampling then never sees a half-applied change (``alpha``, a checkpoint load, an update).
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: PrioritizedSampler, *args: Any, **kwargs: Any) -> Any:
+        with self._fr_lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _show(index: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, limit: int = 5) -> str:
@@ -49,8 +107,20 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     * The trees are pure torch (CPU or CUDA, no compiled extension), batched:
       ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
-      and indices outside the stored range raise :class:`ValueError` and change nothing.
-    * ``dumps``/``loads`` and ``state_dict`` are vectorized (no per-slot Python loop).
+      and indices outside the stored range raise :class:`ValueError` (a
+      :class:`PriorityShapeError`, also a :class:`RuntimeError` as in TorchRL, for shapes), a
+      priority whose mass overflows ``dtype`` raises :class:`PriorityOverflowError` (an
+      :class:`OverflowError`, as in TorchRL), and nothing changes.
+    * A storage with more slots than ``max_capacity`` (an ``ndim=2`` storage rounded up to a
+      multiple of the number of envs, or a smaller ``max_capacity`` as TorchRL's tests use)
+      grows the trees before its rows are prioritised: every stored row can be sampled.
+    * ``dumps``/``loads`` and ``state_dict`` are vectorized (no per-slot Python loop); a
+      TorchRL checkpoint or a damaged one raises :class:`CheckpointError` before anything
+      changes.
+    * ``alpha`` changes, priority updates, checkpoint loads and ``sample`` hold one lock, so a
+      prefetch thread never samples half-rebuilt trees.
+    * ``_sum_tree``, ``_min_tree`` and ``_max_priority`` (private in TorchRL, read by its tests
+      and by user code) are read-only views with TorchRL's return types.
 
     Args:
         max_capacity: number of slots (the storage's ``max_size``).
@@ -80,15 +150,17 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         >>> from fastreplay import PrioritizedSampler
         >>> sampler = PrioritizedSampler(max_capacity=7, alpha=1.0, beta=1.0)
         >>> rb = ReplayBuffer(storage=LazyTensorStorage(7), sampler=sampler, batch_size=4)
-        >>> index = rb.extend(torch.arange(5))
-        >>> sampler.default_priority  # nothing prioritised yet: initial_priority
+        >>> sampler.default_priority  # nothing stored yet: initial_priority, a float
         1.0
+        >>> index = rb.extend(torch.arange(5))
         >>> rb.update_priority(index, torch.tensor([0.5, 3.0, 0.1, 0.2, 0.3]))
-        >>> sampler.default_priority  # the live max
-        3.0
+        >>> sampler.default_priority  # the live max, a tensor as in TorchRL
+        tensor(3.)
         >>> rb.update_priority(torch.tensor([1]), torch.tensor([0.4]))
         >>> sampler.default_priority  # lowering the max item lowers the default at once
-        0.5
+        tensor(0.5000)
+        >>> sampler._sum_tree.query(0, 7), sampler._sum_tree[1]  # TorchRL's private reads
+        (1.5, 0.4000000059604645)
         >>> data, info = rb.sample(return_info=True)
         >>> data.shape, info["priority_weight"].dtype
         (torch.Size([4]), torch.float32)
@@ -114,9 +186,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if max_capacity < 1:
             raise ValueError(f"max_capacity must be >= 1, got max_capacity={max_capacity}")
         if not alpha >= 0:
-            raise ValueError(f"alpha must be >= 0, got alpha={alpha}; use 0 for uniform")
+            raise ValueError(
+                f"alpha must be greater or equal than 0, got alpha={alpha}; use 0 for uniform"
+            )
         if not beta >= 0:
-            raise ValueError(f"beta must be >= 0, got beta={beta}; use 0 for no correction")
+            raise ValueError(
+                f"beta must be greater or equal to 0, got beta={beta}; use 0 for no correction"
+            )
         if not eps >= 0 or math.isinf(eps):
             raise ValueError(f"eps must be a finite number >= 0, got eps={eps}")
         if not upper_priority > 0:
@@ -127,7 +203,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if not (initial_priority >= 0 and math.isfinite(initial_priority)):
             raise ValueError(f"initial_priority must be finite and >= 0, got {initial_priority}")
         if dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
+            raise _UnsupportedError(
+                f"dtype must be torch.float32 or torch.float64, got dtype={dtype}"
+            )
         self._max_capacity = max_capacity
         self._alpha = alpha
         self._beta = beta
@@ -138,16 +216,46 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._device = torch.device(device) if device is not None else None
         self._upper_priority = float(upper_priority)
         self._initial_priority = float(initial_priority)
+        self._fr_lock = threading.RLock()
         self._init()
+        self._check_mass(self._default_value(), what="initial_priority")
 
     # ------------------------------------------------------------------ state
-    def _init(self) -> None:
-        self._trees = PriorityTrees(self._max_capacity, device=self._device)
-        self._all_time_max = -math.inf
+    def _new_trees(self, slots: int) -> PriorityTrees:
+        """Empty trees over ``slots`` slots on this sampler's device."""
+        return PriorityTrees(slots, device=self._device)
 
+    def _init(self) -> None:
+        self._slots = self._max_capacity
+        self._trees = self._new_trees(self._slots)
+        self._all_time_max = -math.inf
+        self._all_time_at: int | None = None
+
+    @_locked
     def _empty(self) -> None:
         self._trees.reset()
         self._all_time_max = -math.inf
+        self._all_time_at = None
+
+    def _grow(self, slots: int) -> None:
+        """Resize the trees to ``slots`` slots, keeping every priority. O(slots), vectorized."""
+        mass, raw = self._trees.leaf_mass(), self._trees.raw()
+        pad = slots - mass.numel()
+        trees = self._new_trees(slots)
+        trees.set_leaves(
+            torch.cat([mass, mass.new_zeros(pad)]),
+            torch.cat([raw, raw.new_full((pad,), -math.inf)]),
+        )
+        self._trees, self._slots = trees, slots
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_fr_lock", None)  # locks do not pickle; each copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fr_lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
@@ -180,25 +288,78 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         return self._alpha
 
     @alpha.setter
+    @_locked
     def alpha(self, value: float) -> None:
+        # Under the sampler's lock: a concurrent ``sample`` (e.g. a prefetch thread) sees the
+        # old or the new alpha, never half-rebuilt trees (weights above 1).
         if not value >= 0:
-            raise ValueError(f"alpha must be >= 0, got alpha={value}; use 0 for uniform")
+            raise ValueError(
+                f"alpha must be greater or equal than 0, got alpha={value}; use 0 for uniform"
+            )
         if value == self._alpha:
             return
+        for p_max in (self._trees.max_raw(), self._default_value()):
+            if p_max != -math.inf:
+                self._check_mass(p_max, alpha=value, what="alpha")
         self._alpha = value
         raw = self._trees.raw()
         self._trees.set_leaves(self._mass(raw), raw)
 
-    @property
-    def default_priority(self) -> float:
-        """Raw priority for newly written items: the live max, capped by ``upper_priority``.
-
-        O(1): read from the root of the negated-min tree.
-        """
+    def _default_value(self) -> float:
+        """:attr:`default_priority` as a Python float (exact, float64). O(1)."""
         within = self._max_priority_within_buffer
         live = self._trees.max_raw() if within else self._all_time_max
         value = self._initial_priority if live == -math.inf else live
         return min(value, self._upper_priority)
+
+    @property
+    def default_priority(self) -> float | torch.Tensor:
+        """Raw priority for newly written items: the live max, capped by ``upper_priority``.
+
+        As in TorchRL: a 0-dim tensor (of ``dtype``, on :attr:`device`) once a priority is
+        stored, the Python float ``initial_priority`` while none is. O(1): read from the
+        root of the negated-min tree.
+        """
+        within = self._max_priority_within_buffer
+        live = self._trees.max_raw() if within else self._all_time_max
+        if live == -math.inf:
+            return min(self._initial_priority, self._upper_priority)
+        value = min(live, self._upper_priority)
+        return torch.tensor(value, dtype=self.dtype, device=self.device)
+
+    def _check_mass(self, p_max: float, *, alpha: float | None = None, what: str) -> None:
+        """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1).
+
+        float32: the mass must round to a finite float32. float64: the sum over every slot
+        must stay finite, so the mass must be below ``float64 max / slots``.
+        """
+        alpha = self._alpha if alpha is None else alpha
+        f32 = self.dtype == torch.float32
+        limit = _FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots
+        try:
+            mass = (p_max + self._eps) ** alpha
+        except OverflowError:
+            mass = math.inf
+        if mass < limit * (1 - 1e-12):
+            return
+        exact = torch.pow(torch.tensor(p_max, dtype=torch.float64) + self._eps, alpha)
+        if float(exact) < limit and math.isfinite(float(exact.to(self.dtype))):
+            return
+        dtype = str(self.dtype).removeprefix("torch.")
+        if what == "initial_priority":
+            cause = f"initial_priority={p_max!r} gives a"
+            fix = "lower initial_priority or alpha"
+        elif what == "alpha":
+            cause = f"setting alpha={alpha} would give the stored priority {p_max!r} a"
+            fix = "lower the priorities first, keep a smaller alpha"
+        else:
+            cause = f"priority {p_max!r} gives a"
+            fix = "rescale the priorities (e.g. clip TD errors), lower alpha"
+        raise PriorityOverflowError(
+            f"{cause} sampling mass (p + eps) ** alpha = {mass:.4g} that does not fit "
+            f"dtype={dtype} (limit {limit:.4g}); {fix} or build the sampler with "
+            "dtype=torch.float64; nothing was changed"
+        )
 
     def _mass(self, raw: torch.Tensor) -> torch.Tensor:
         raw = raw.to(torch.float64)
@@ -221,7 +382,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         index = index.long()
         if index.ndim > 1:
             if storage is None:
-                raise ValueError(
+                raise PriorityShapeError(
                     f"index of shape {tuple(index.shape)} holds multi-dimensional coordinates: "
                     "pass storage=... so they can be flattened"
                 )
@@ -239,8 +400,22 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         return index.reshape(-1)
 
     def _stored(self, storage: Storage | None) -> int:
-        return self._max_capacity if storage is None else min(len(storage), self._max_capacity)
+        """Number of stored slots; grows the trees first if the storage holds more slots.
 
+        A storage can hold more slots than ``max_capacity``: an ``ndim=2`` storage rounds its
+        size up to a multiple of the number of envs, and TorchRL accepts a smaller
+        ``max_capacity`` than the storage. The trees then grow (geometrically, up to the
+        storage's ``max_size``) before anything is written, so every stored row gets mass.
+        """
+        if storage is None:
+            return self._slots
+        stored = len(storage)
+        if stored > self._slots:
+            limit = max(getattr(storage, "max_size", stored), stored)
+            self._grow(min(max(stored, 2 * self._slots), limit))
+        return stored
+
+    @_locked
     @torch.no_grad()
     def update_priority(
         self,
@@ -276,7 +451,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if priority.numel() == 1:
             priority = priority.reshape(1).expand(flat.numel())
         elif priority.numel() != flat.numel():
-            raise ValueError(
+            raise PriorityShapeError(
                 f"priority has {priority.numel()} elements (shape {tuple(priority.shape)}) but "
                 f"index has {flat.numel()} (shape {tuple(torch.as_tensor(index).shape)}): pass "
                 "one priority per index or a single number; nothing was updated"
@@ -292,6 +467,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if checked is None:
             return
         flat, raw, p_max = checked
+        self._check_mass(p_max, what="priority")
+        if not self._max_priority_within_buffer and p_max > self._all_time_max:
+            self._all_time_at = int(flat[raw.argmax()])  # read by the _max_priority view
         if flat.numel() > 1:
             # Repeated slots: the last occurrence wins, as in TorchRL.
             # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
@@ -333,6 +511,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             raise ValueError("; ".join(problems) + "; nothing was updated")
         return flat, raw, p_max
 
+    @_locked
     @torch.no_grad()
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Give freshly written items :attr:`default_priority`; O(k log capacity).
@@ -347,17 +526,18 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         stored = self._stored(storage)
         if self._max_priority_within_buffer:
             # Clear the overwritten slots first if one of them holds the live max.
-            valid = flat.clamp(0, self._max_capacity - 1)
+            valid = flat.clamp(0, self._slots - 1)
             old = self._trees.levels[0][2].index_select(0, valid)
             if bool((old <= self._trees.levels[-1][2, 0]).any()):
                 zeros = torch.zeros(flat.shape, dtype=torch.float64, device=self.device)
                 checked = self._validate(flat, zeros, stored)  # raises before any change
                 if checked is not None:
                     self._trees.clear(checked[0])
-        raw = torch.full(flat.shape, self.default_priority, dtype=torch.float64, device=self.device)
+        raw = torch.full(flat.shape, self._default_value(), dtype=torch.float64, device=self.device)
         self._write(flat, raw, stored)
 
     # ------------------------------------------------------------------ sampling
+    @_locked
     @torch.no_grad()
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """Draw ``batch_size`` indices with replacement; O(batch_size log capacity).
@@ -409,30 +589,87 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             "_all_time_max": self._all_time_max,
             "_max_priority_within_buffer": self._max_priority_within_buffer,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "_all_time_index": self._all_time_index(),
         }
 
-    def _restore(self, metadata: dict[str, Any], mass: torch.Tensor, raw: torch.Tensor) -> None:
-        if metadata.get("_format") != _FORMAT:
-            raise ValueError(
+    def _all_time_index(self) -> int | None:
+        """Slot where the all-time max priority was set (``max_priority_within_buffer=False``)."""
+        return self._all_time_at
+
+    def _checked(
+        self, metadata: Any, mass: Any, raw: Any, source: str
+    ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+        """Validate a checkpoint completely before anything is assigned. O(capacity)."""
+        if not isinstance(metadata, dict) or metadata.get("_format") != _FORMAT:
+            keys = set(metadata) if isinstance(metadata, dict) else set()
+            if {"_sum_tree", "_min_tree"} & keys or source == "torchrl folder":
+                raise CheckpointError(
+                    f"this {'folder' if 'folder' in source else 'state dict'} was written by "
+                    "torchrl.data.PrioritizedSampler (compiled _sum_tree/_min_tree), which "
+                    "fastreplay.PrioritizedSampler cannot read: load it with TorchRL's class, "
+                    "or rebuild the priorities here with update_priority; nothing was changed"
+                )
+            raise CheckpointError(
                 "this checkpoint was not written by fastreplay.PrioritizedSampler (no "
-                f"'_format': {_FORMAT!r}); load it with the sampler class that saved it"
+                f"'_format': {_FORMAT!r}); load it with the sampler class that saved it; "
+                "nothing was changed"
+            )
+        required = (
+            "_max_capacity", "_alpha", "_beta", "_eps", "_upper_priority", "_initial_priority",
+            "_all_time_max", "_max_priority_within_buffer", "dtype",
+        )  # fmt: skip
+        missing = [key for key in required if key not in metadata]
+        if missing or mass is None or raw is None:
+            missing += [k for k, v in (("_mass", mass), ("_raw", raw)) if v is None]
+            raise CheckpointError(
+                f"fastreplay.PrioritizedSampler checkpoint is missing {missing}; it was "
+                "truncated or edited; nothing was changed"
             )
         if metadata["_max_capacity"] != self._max_capacity:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint max_capacity={metadata['_max_capacity']} differs from this "
                 f"sampler's max_capacity={self._max_capacity}; build the sampler with the "
-                "saved capacity"
+                "saved capacity; nothing was changed"
             )
+        mass = torch.as_tensor(mass).reshape(-1)
+        raw = torch.as_tensor(raw).reshape(-1)
+        if mass.numel() != raw.numel() or mass.numel() < self._max_capacity:
+            raise CheckpointError(
+                f"checkpoint leaf arrays have {mass.numel()} masses and {raw.numel()} raw "
+                f"priorities, expected the same number, at least max_capacity="
+                f"{self._max_capacity}; the checkpoint is damaged; nothing was changed"
+            )
+        dtype = getattr(torch, str(metadata["dtype"]), None)
+        if dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"checkpoint dtype={metadata['dtype']!r} is not float32 or float64; "
+                "nothing was changed"
+            )
+        return metadata, mass, raw
+
+    def _restore(self, metadata: Any, mass: Any, raw: Any, source: str = "state dict") -> None:
+        metadata, mass, raw = self._checked(metadata, mass, raw, source)
+        # Everything is validated: from here on nothing raises.
+        if mass.numel() > self._slots:
+            self._grow(mass.numel())
+        pad = self._slots - mass.numel()
+        mass = torch.cat([mass.to(torch.float64), mass.new_zeros(pad, dtype=torch.float64)])
+        raw = torch.cat(
+            [raw.to(torch.float64), raw.new_full((pad,), -math.inf, dtype=torch.float64)]
+        )
         self._alpha = metadata["_alpha"]
         self._beta = metadata["_beta"]
         self._eps = metadata["_eps"]
         self._upper_priority = float(metadata["_upper_priority"])
         self._initial_priority = float(metadata["_initial_priority"])
         self._all_time_max = float(metadata["_all_time_max"])
+        index = metadata.get("_all_time_index")
+        self._all_time_at = None if index is None else int(index)
         self._max_priority_within_buffer = bool(metadata["_max_priority_within_buffer"])
         self.dtype = getattr(torch, metadata["dtype"])
         self._trees.set_leaves(mass, raw)
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """Hyper-parameters plus the leaf arrays (mass and raw priority), cloned. O(capacity)."""
         return {
@@ -441,10 +678,18 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             "_raw": self._trees.raw().cpu(),
         }
 
+    @_locked
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output exactly; trees rebuilt vectorized in O(capacity)."""
-        self._restore(state_dict, state_dict["_mass"], state_dict["_raw"])
+        """Restore :meth:`state_dict` output exactly; trees rebuilt vectorized in O(capacity).
 
+        Raises:
+            CheckpointError: a TorchRL sampler's state dict, another capacity, or missing or
+                damaged entries. Checked before anything changes.
+        """
+        get = state_dict.get if isinstance(state_dict, dict) else lambda key: None
+        self._restore(state_dict, get("_mass"), get("_raw"))
+
+    @_locked
     def dumps(self, path: str | Path) -> None:
         """Write ``sampler_metadata.json`` and two ``.npy`` leaf arrays under ``path``."""
         path = Path(path).absolute()
@@ -454,16 +699,80 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         with open(path / "sampler_metadata.json", "w") as file:
             json.dump(self._metadata(), file)
 
+    @_locked
     def loads(self, path: str | Path) -> None:
-        """Load what :meth:`dumps` wrote; O(capacity), vectorized."""
+        """Load what :meth:`dumps` wrote; O(capacity), vectorized.
+
+        Raises:
+            CheckpointError: a TorchRL ``dumps`` folder, another capacity, or missing or
+                damaged files. Checked before anything changes.
+        """
         path = Path(path).absolute()
         with open(path / "sampler_metadata.json") as file:
             metadata = json.load(file)
         if metadata.get("_format") != _FORMAT:
-            self._restore(metadata, torch.empty(0), torch.empty(0))  # raises a clear error
-        mass = torch.from_numpy(np.load(path / "priority_mass.npy"))
-        raw = torch.from_numpy(np.load(path / "priority_raw.npy"))
-        self._restore(metadata, mass, raw)
+            torchrl = (path / "sumtree.memmap").exists()
+            self._checked(metadata, None, None, "torchrl folder" if torchrl else "folder")
+        files = [path / "priority_mass.npy", path / "priority_raw.npy"]
+        mass, raw = (torch.from_numpy(np.load(f)) if f.exists() else None for f in files)
+        self._restore(metadata, mass, raw, "folder")
+
+    # ------------------------------------------------------------------ TorchRL's private views
+    @property
+    def _sum_tree(self) -> SumTreeView:
+        """Read-only view answering like TorchRL's compiled sum tree.
+
+        Supports ``[i]``, ``at``, ``query``, ``scan_lower_bound``; backed by this sampler's trees.
+        """
+        return SumTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
+
+    @_sum_tree.setter
+    def _sum_tree(self, value: Any) -> None:
+        raise AttributeError(
+            "_sum_tree is a read-only view of fastreplay's priority trees; use "
+            "update_priority or load_state_dict to change priorities"
+        )
+
+    @property
+    def _min_tree(self) -> MinTreeView:
+        """Read-only view answering like TorchRL's compiled min tree (``[i]``, ``query``)."""
+        return MinTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
+
+    @_min_tree.setter
+    def _min_tree(self, value: Any) -> None:
+        raise AttributeError(
+            "_min_tree is a read-only view of fastreplay's priority trees; use "
+            "update_priority or load_state_dict to change priorities"
+        )
+
+    @property
+    def _max_priority(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(max priority, its flat slot)`` as TorchRL keeps it, or ``(None, None)``.
+
+        With ``max_priority_within_buffer=True`` the live max over stored items and its slot
+        (O(capacity) to find the slot); otherwise the all-time max and where it was set.
+        Values are 0-dim tensors on :attr:`device` (the priority in ``dtype``).
+        """
+        if self._max_priority_within_buffer:
+            value = self._trees.max_raw()
+            if value == -math.inf:
+                return None, None
+            index: int | None = int(torch.argmax(self._trees.raw()))
+        else:
+            value = self._all_time_max
+            if value == -math.inf:
+                return None, None
+            index = self._all_time_index()
+        priority = torch.tensor(value, dtype=self.dtype, device=self.device)
+        slot = None if index is None else torch.tensor(index, device=self.device)
+        return priority, slot
+
+    @_max_priority.setter
+    def _max_priority(self, value: Any) -> None:
+        raise AttributeError(
+            "_max_priority is a read-only view in fastreplay: the max priority is derived "
+            "from the stored priorities (see default_priority, upper_priority)"
+        )
 
     def __repr__(self) -> str:
         return (
