@@ -348,11 +348,15 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
                     f"end_key={key!r} holds {leaf.dtype} values; done flags must be booleans "
                     "or integers: store them as torch.bool (e.g. done.bool())."
                 )
+            if mode == "ids" and tuple(leaf.shape) != shape:  # TorchRL squeezes flags only
+                raise SliceSamplerError(
+                    f"traj_key={key!r} has shape {tuple(leaf.shape)}; expected {shape} (one id "
+                    f"per stored step): store the ids without trailing dims (ids.reshape{shape})."
+                )
             if tuple(leaf.shape[:ndim]) != shape or leaf.shape[ndim:].numel() != 1:
                 raise SliceSamplerError(
-                    f"{'end_key' if mode == 'done' else 'traj_key'}={key!r} has shape "
-                    f"{tuple(leaf.shape)}; expected {shape}, optionally followed by dims of size 1 "
-                    f"(e.g. {(*shape, 1)}): store one flag or id per stored step."
+                    f"end_key={key!r} has shape {tuple(leaf.shape)}; expected {shape}, optionally "
+                    f"followed by dims of size 1 (e.g. {(*shape, 1)}): store one flag per step."
                 )
             leaves.append(leaf.reshape(leaf.shape[0], -1))
         return leaves
