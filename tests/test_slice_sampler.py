@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
+from conftest import requires_cuda
 from fastreplay import SliceSampler
 
 DONE = ("next", "done")
@@ -425,3 +426,66 @@ def test_memmap_shared_init_written_by_another_process(tmp_path) -> None:
     finally:
         if child.is_alive():
             child.kill()
+
+
+@pytest.mark.parametrize(
+    "case", ["int64 done", "uint8 done", "[N, 1, 1] done", "float ids", "bool ids", "end_keys mix"]
+)
+def test_bit_identical_to_torchrl_for_other_signal_dtypes_and_shapes(case) -> None:
+    def convert(td: TensorDict) -> TensorDict:
+        done = td[DONE]
+        if case == "int64 done":
+            return td.set(DONE, done.long())
+        if case == "uint8 done":
+            return td.set(DONE, done.to(torch.uint8))
+        if case == "[N, 1, 1] done":
+            return td.exclude(DONE).set(DONE, done[..., None])
+        if case == "float ids":
+            return td.set("traj", td["traj"].double())
+        if case == "bool ids":  # alternating parity: a new trajectory wherever it flips
+            return td.set("traj", td["traj"] % 2 == 1)
+        return td.set(("next", "truncated"), done.long() * 3)  # int flags OR-ed with bool
+
+    kw = {"num_slices": 3, "strict_length": False}
+    if case.endswith("ids"):
+        kw["traj_key"] = "traj"
+    elif case == "end_keys mix":
+        kw["end_keys"] = [("next", "truncated"), ("next", "missing"), DONE]
+    else:
+        kw["end_key"] = DONE
+    episodes = Episodes(None, 21, p_end=0.2)
+    storage = LazyTensorStorage(37)
+    fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=12)
+    for it, n in enumerate((20, 9, 30, 4)):
+        td = episodes.batch(n)
+        if case == "bool ids":
+            td["traj"] = torch.cumsum(torch.rand(n, generator=episodes.gen) < 0.2, 0) + it
+        rb.extend(convert(td))
+        _assert_same(fast, ref, storage, 12, seed=it)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode,columns", [("done", None), ("ids", 3)])
+def test_cuda_storage_bit_identical_to_torchrl(mode, columns) -> None:
+    episodes = Episodes(columns, 5)
+    storage = LazyTensorStorage(
+        41 * (columns or 1), ndim=1 if columns is None else 2, device="cuda"
+    )
+    kw = {"num_slices": 4, "strict_length": False, **_key(mode)}
+    fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=16)
+    for it, n in enumerate((30, 17, 25)):
+        rb.extend(episodes.batch(n).to("cuda"))
+        for a, b in zip(
+            fast._get_stop_and_length(storage), ref._get_stop_and_length(storage), strict=True
+        ):
+            assert a.device == b.device and torch.equal(a, b)
+        fast._rng = torch.Generator(device="cuda").manual_seed(it)
+        ref._rng = torch.Generator(device="cuda").manual_seed(it)
+        got, expected = fast.sample(storage, 16), ref.sample(storage, 16)
+        for a, b in zip(got[0], expected[0], strict=True):
+            assert a.device.type == "cuda" and torch.equal(a, b)
+        assert got[1].keys() == expected[1].keys()
+        for k in got[1]:
+            assert torch.equal(got[1][k], expected[1][k])
