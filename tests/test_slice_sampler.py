@@ -489,3 +489,17 @@ def test_cuda_storage_bit_identical_to_torchrl(mode, columns) -> None:
         assert got[1].keys() == expected[1].keys()
         for k in got[1]:
             assert torch.equal(got[1][k], expected[1][k])
+
+
+def test_single_row_storage_samples_where_torchrl_fails() -> None:
+    # TorchRL squeezes the [1, 1] done flags to a 0-dim tensor and fails (IndexError);
+    # fastreplay returns the one-step trajectory (docs/migration.md).
+    storage = LazyTensorStorage(20)
+    fast = SliceSampler(num_slices=2, end_key=DONE, strict_length=False)
+    ReplayBuffer(storage=storage, sampler=fast).extend(Episodes(None, 3).batch(1))
+    with pytest.raises(IndexError):
+        TorchRLSliceSampler(num_slices=2, end_key=DONE)._get_stop_and_length(storage)
+    start, stop, length = fast._get_stop_and_length(storage)
+    assert start.tolist() == [[0]] and stop.tolist() == [[0]] and length.tolist() == [1]
+    index, _ = fast.sample(storage, 4)
+    assert index[0].tolist() == [0, 0]  # two slices, each the single stored step

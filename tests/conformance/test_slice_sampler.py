@@ -332,3 +332,14 @@ def test_cuda_storage(impl: Impl) -> None:
     assert_slices_valid(_obs(storage, index), 4)
     start, stop, length = rb.sampler._get_stop_and_length(storage)
     assert {start.device.type, stop.device.type, length.device.type} == {"cuda"}
+
+
+def test_can_sample(impl: Impl) -> None:
+    storage = trl.LazyTensorStorage(30)
+    rb = _buffer(impl, storage, num_slices=2, end_key=DONE)
+    assert not rb.sampler.can_sample(storage, 8)  # empty
+    rb.extend(episodes(20, [3, 6]))
+    assert rb.sampler.can_sample(storage, 8)  # slices of 4 fit in the 6-step episodes
+    assert not rb.sampler.can_sample(storage, 20)  # slices of 10 fit nowhere
+    missing = impl.cls("SliceSampler")(num_slices=2, end_key=("next", "x"))
+    assert not missing.can_sample(storage, 8)
