@@ -503,3 +503,28 @@ def test_single_row_storage_samples_where_torchrl_fails() -> None:
     assert start.tolist() == [[0]] and stop.tolist() == [[0]] and length.tolist() == [1]
     index, _ = fast.sample(storage, 4)
     assert index[0].tolist() == [0, 0]  # two slices, each the single stored step
+
+
+def test_the_without_replacement_class_is_chosen_in_one_place(monkeypatch) -> None:
+    import inspect
+
+    import fastreplay.samplers.slice as slice_module
+
+    class WithoutReplacement(SliceSampler):
+        def __init__(self, *, drop_last: bool = False, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.drop_last = drop_last
+
+    monkeypatch.setattr(slice_module, "without_replacement_class", lambda: WithoutReplacement)
+    built = SliceSampler(replacement=False, num_slices=3, drop_last=True)
+    assert type(built) is WithoutReplacement and built.drop_last and built.num_slices == 3
+    again = WithoutReplacement(replacement=False, num_slices=3)  # a no-op there, as in TorchRL
+    assert type(again) is WithoutReplacement
+    params = list(inspect.signature(WithoutReplacement).parameters)
+    assert params[:2] == ["replacement", "drop_last"]
+
+    class Other(SliceSampler):
+        pass
+
+    with pytest.raises(TypeError, match="no without-replacement variant"):
+        Other(replacement=False, num_slices=3)  # other subclasses: TorchRL's TypeError

@@ -64,6 +64,9 @@ class SignalTypeError(TypeError, NotImplementedError):
 def without_replacement_class() -> type:
     """The class that ``SliceSampler(replacement=False, ...)`` builds, with the same arguments.
 
+    The one place that makes this choice; that class also accepts ``replacement=False`` itself
+    (a no-op), as TorchRL's classes do.
+
     Returns:
         TorchRL's ``SliceSamplerWithoutReplacement``.
     """
@@ -81,9 +84,12 @@ class _SliceSamplerMeta(type(_TorchRLSliceSampler)):  # type: ignore[misc]
     """TorchRL's sampler metaclass, plus ``replacement=False`` dispatch and real signatures."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls is SliceSampler and not kwargs.get("replacement", True):
-            del kwargs["replacement"]
-            return without_replacement_class()(*args, **kwargs)
+        if not kwargs.get("replacement", True):
+            if cls is SliceSampler:
+                del kwargs["replacement"]
+                return without_replacement_class()(*args, **kwargs)
+            if cls is without_replacement_class():  # already without replacement: a no-op
+                del kwargs["replacement"]
         return super().__call__(*args, **kwargs)
 
     @property
