@@ -528,3 +528,40 @@ def test_the_without_replacement_class_is_chosen_in_one_place(monkeypatch) -> No
 
     with pytest.raises(TypeError, match="no without-replacement variant"):
         Other(replacement=False, num_slices=3)  # other subclasses: TorchRL's TypeError
+
+
+@pytest.mark.parametrize(
+    "kwargs,change,error,match",
+    [
+        (
+            {"end_keys": [("next", "x")]},
+            None,
+            KeyError,
+            r"end_keys=\(\('next', 'x'\),\) is not in the storage, nor is traj_key=None "
+            r"\(looked for \('collector', 'traj_ids'\), 'episode'\) \(keys: ",
+        ),
+        (
+            {"traj_key": "traj"},
+            lambda td: td.exclude("traj").set("traj", td["traj"][:, None]),
+            RuntimeError,
+            r"traj_key='traj' has shape \(30, 1\); expected \(30,\).*reshape",
+        ),
+        (
+            {"end_key": DONE},
+            lambda td: td.set(DONE, td[DONE].float()),
+            NotImplementedError,
+            r"end_key=\('next', 'done'\) holds torch.float32 values.*torch.bool",
+        ),
+    ],
+)
+def test_bad_signals_name_the_argument_and_change_nothing(kwargs, change, error, match) -> None:
+    storage = LazyTensorStorage(30)
+    fast = SliceSampler(num_slices=2, **kwargs)
+    td = Episodes(None, 3, p_end=0.2).batch(20)
+    rb = ReplayBuffer(storage=storage, sampler=fast)
+    rb.extend(change(td) if change else td)
+    before = storage[:20].clone()
+    with pytest.raises(error, match=match):
+        fast.sample(storage, 4)
+    assert fast._fr_index is None and len(rb) == 20
+    assert (storage[:20] == before).all()

@@ -313,6 +313,8 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
         for fallback in (True, False):
             if getattr(self, "_traj_key_auto", False):
                 self._resolve_traj_key(storage)
+                if not self._fetch_traj:
+                    tried.append("traj_key=None (looked for ('collector', 'traj_ids'), 'episode')")
             if self._fetch_traj:
                 if self._used_traj_key in keys:
                     return "ids", (self._used_traj_key,)
@@ -336,6 +338,7 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
                     self._traj_key_auto = True
                 continue
             break
+        tried = list(dict.fromkeys(tried))
         raise MissingKeyError(
             f"{tried[0]} is not in the storage{''.join(', nor is ' + t for t in tried[1:])} "
             f"(keys: {sorted(map(str, keys))}); pass the key holding trajectory ids "
