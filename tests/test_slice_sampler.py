@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
+from conftest import requires_cuda
 from fastreplay import SliceSampler
 
 DONE = ("next", "done")
@@ -270,6 +271,297 @@ def test_wrong_dtype_or_shape_of_done_flags_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"end_key='done' has shape \(20, 2\); expected \(20,\)"):
         fast2.sample(storage2, 4)
     assert fast2._fr_index is None and len(rb2) == 10
-    fast3 = SliceSampler(num_slices=2, traj_key="done")
-    with pytest.raises(TypeError, match=r"traj_key='done' holds torch.bool.*torch.int64"):
+    fast3 = SliceSampler(num_slices=2, traj_key="done")  # bool ids are ids (as in TorchRL)
+    with pytest.raises(RuntimeError, match=r"traj_key='done' has shape \(20, 2\); expected"):
         fast3.sample(storage2, 4)
+    assert fast3._fr_index is None and len(rb2) == 10
+
+
+# --------------------------------------------------------------------- drop-in conformance fixes
+def test_replacement_false_returns_the_without_replacement_sampler() -> None:
+    from torchrl.data import SliceSamplerWithoutReplacement
+
+    from fastreplay.samplers.slice import without_replacement_class
+
+    sampler = SliceSampler(replacement=False, num_slices=2, end_key=DONE, drop_last=True)
+    assert type(sampler) is without_replacement_class() is SliceSamplerWithoutReplacement
+    assert sampler.drop_last and sampler.num_slices == 2 and sampler.end_key == DONE
+    assert type(SliceSampler(replacement=True, num_slices=2)) is SliceSampler
+
+
+def test_signature_and_help_show_the_real_arguments() -> None:
+    import inspect
+    import pydoc
+
+    params = inspect.signature(SliceSampler).parameters
+    assert list(params)[:4] == ["replacement", "num_slices", "slice_len", "end_key"]
+    assert params["strict_length"].default is True
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
+    assert "num_slices: 'int | None' = None" in pydoc.render_doc(SliceSampler)
+    assert "invalidate_boundaries" in pydoc.render_doc(SliceSampler)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"num_slices": 0}, ValueError, r"num_slices must be at least 1, got num_slices=0"),
+        ({"slice_len": -2}, RuntimeError, r"slice_len must be at least 1, got slice_len=-2"),
+        ({"num_slices": 2.5}, TypeError, r"num_slices must be an integer, got num_slices=2.5"),
+        ({"slice_len": "4"}, TypeError, r"slice_len must be an integer, got slice_len='4'"),
+    ],
+)
+def test_impossible_settings_are_refused_at_construction(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        SliceSampler(**kwargs)
+
+
+def test_numpy_integer_counts_are_accepted() -> None:
+    import numpy as np
+
+    fast, ref = SliceSampler(num_slices=np.int64(3)), TorchRLSliceSampler(num_slices=3)
+    assert fast.num_slices == 3 and type(fast.num_slices) is int
+    storage = LazyTensorStorage(30)
+    ReplayBuffer(storage=storage, sampler=fast).extend(Episodes(None, 1, p_end=0.1).batch(25))
+    _assert_same(fast, ref, storage, 6, seed=0)
+
+
+def test_a_new_storage_that_reuses_a_freed_ones_id_is_not_served_its_boundaries(
+    monkeypatch,
+) -> None:
+    import fastreplay.samplers.slice as slice_module
+
+    # Simulate CPython handing the dead storage's address to a new one: id() collides.
+    monkeypatch.setattr(slice_module, "id", lambda obj: 12345, raising=False)
+    fast = SliceSampler(num_slices=2, end_key=DONE)
+    first = LazyTensorStorage(40)
+    ReplayBuffer(storage=first, batch_size=8).extend(Episodes(None, 1, p_end=0.5).batch(30))
+    fast.sample(first, 8)
+    del first
+    second = LazyTensorStorage(40)  # same revision (one write), other boundaries
+    ReplayBuffer(storage=second, batch_size=8).extend(Episodes(None, 2, p_end=0.05).batch(30))
+    _assert_same(fast, TorchRLSliceSampler(num_slices=2, end_key=DONE), second, 8, seed=0)
+
+
+def test_view_edits_need_invalidate_boundaries() -> None:
+    # Editing stored flags in place through a view bypasses the storage: the index cannot see
+    # it (documented); invalidate_boundaries() makes the next sample rebuild.
+    episodes = Episodes(None, 4, p_end=0.0)  # one long episode
+    storage = LazyTensorStorage(50)
+    fast, ref = SliceSampler(num_slices=2, end_key=DONE), TorchRLSliceSampler(num_slices=2)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=8)
+    rb.extend(episodes.batch(40))
+    _assert_same(fast, ref, storage, 8, seed=0)
+    before = [a.clone() for a in fast._get_stop_and_length(storage)]
+    storage[:][DONE][24] = True  # a view edit: TorchRL (no cache) sees a boundary at 24
+    stale = fast._get_stop_and_length(storage)
+    assert all(torch.equal(a, b) for a, b in zip(stale, before, strict=True))
+    assert not torch.equal(ref._get_stop_and_length(storage)[2], before[2])
+    fast.invalidate_boundaries()
+    _assert_same(fast, ref, storage, 8, seed=1)
+    rb.extend(episodes.batch(5))  # and the incremental path carries on from the rebuild
+    _assert_same(fast, ref, storage, 8, seed=2)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "dumps"])
+def test_checkpoint_into_a_fresh_buffer_keeps_the_boundary_at_the_write_cursor(
+    how, tmp_path
+) -> None:
+    def buffer(sampler):
+        return ReplayBuffer(storage=LazyTensorStorage(50), sampler=sampler, batch_size=8)
+
+    original = buffer(SliceSampler(num_slices=2, end_key=DONE))
+    td = Episodes(None, 6, p_end=0.1).batch(73)  # wraps: the cursor is at row 22
+    td[DONE][-1] = False  # the newest episode is still running at the cursor
+    original.extend(td)
+    reference = TorchRLSliceSampler(num_slices=2, end_key=DONE)
+    expected = reference._get_stop_and_length(original.storage)
+    fresh = buffer(SliceSampler(num_slices=2, end_key=DONE))
+    if how == "state_dict":
+        fresh.load_state_dict(original.state_dict())
+    else:
+        original.dumps(tmp_path)
+        fresh.loads(tmp_path)
+    assert fresh.storage._last_cursor_index is None  # not in the checkpoint
+    got = fresh.sampler._get_stop_and_length(fresh.storage)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    for seed in range(5):  # slices never run from the newest step into the oldest one
+        fresh.sampler._rng = torch.Generator().manual_seed(seed)
+        index, _ = fresh.sampler.sample(fresh.storage, 40)
+        _check_invariants(fresh.storage, index, 2)
+    fresh.extend(Episodes(None, 7, p_end=0.1).batch(9))  # later writes: storage cursor again
+    _assert_same(fresh.sampler, reference, fresh.storage, 8, seed=9)
+
+
+def _shared_writer(rb, commands, acks) -> None:
+    """Child process: extend the shared buffer with each TensorDict received, then ack."""
+    while (td := commands.get(timeout=120)) is not None:
+        rb.extend(td)
+        acks.put(len(td))
+
+
+@pytest.mark.slow  # one spawned process (imports torch): ~10-30 s on 2 busy cores
+def test_memmap_shared_init_written_by_another_process(tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    storage = LazyMemmapStorage(61, shared_init=True, scratch_dir=tmp_path / "rb")
+    fast = SliceSampler(num_slices=2, end_key=DONE)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=8)
+    commands, acks = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_shared_writer, args=(rb, commands, acks), daemon=True)
+    child.start()
+    try:
+        episodes = Episodes(None, 12, p_end=0.15)
+        ref = TorchRLSliceSampler(num_slices=2, end_key=DONE)
+        for round_, n in enumerate((40, 15, 30, 1)):  # fills, wraps, then one more step
+            commands.put(episodes.batch(n))
+            assert acks.get(timeout=120) == n
+            assert len(storage) == min(61, [40, 55, 61, 61][round_])
+            _assert_same(fast, ref, storage, 8, seed=round_)  # nothing stale
+            index, _ = fast.sample(storage, 16)
+            _check_invariants(storage, index, 2)
+        commands.put(None)
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+@pytest.mark.parametrize(
+    "case", ["int64 done", "uint8 done", "[N, 1, 1] done", "float ids", "bool ids", "end_keys mix"]
+)
+def test_bit_identical_to_torchrl_for_other_signal_dtypes_and_shapes(case) -> None:
+    def convert(td: TensorDict) -> TensorDict:
+        done = td[DONE]
+        if case == "int64 done":
+            return td.set(DONE, done.long())
+        if case == "uint8 done":
+            return td.set(DONE, done.to(torch.uint8))
+        if case == "[N, 1, 1] done":
+            return td.exclude(DONE).set(DONE, done[..., None])
+        if case == "float ids":
+            return td.set("traj", td["traj"].double())
+        if case == "bool ids":  # alternating parity: a new trajectory wherever it flips
+            return td.set("traj", td["traj"] % 2 == 1)
+        return td.set(("next", "truncated"), done.long() * 3)  # int flags OR-ed with bool
+
+    kw = {"num_slices": 3, "strict_length": False}
+    if case.endswith("ids"):
+        kw["traj_key"] = "traj"
+    elif case == "end_keys mix":
+        kw["end_keys"] = [("next", "truncated"), ("next", "missing"), DONE]
+    else:
+        kw["end_key"] = DONE
+    episodes = Episodes(None, 21, p_end=0.2)
+    storage = LazyTensorStorage(37)
+    fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=12)
+    for it, n in enumerate((20, 9, 30, 4)):
+        td = episodes.batch(n)
+        if case == "bool ids":
+            td["traj"] = torch.cumsum(torch.rand(n, generator=episodes.gen) < 0.2, 0) + it
+        rb.extend(convert(td))
+        _assert_same(fast, ref, storage, 12, seed=it)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode,columns", [("done", None), ("ids", 3)])
+def test_cuda_storage_bit_identical_to_torchrl(mode, columns) -> None:
+    episodes = Episodes(columns, 5)
+    storage = LazyTensorStorage(
+        41 * (columns or 1), ndim=1 if columns is None else 2, device="cuda"
+    )
+    kw = {"num_slices": 4, "strict_length": False, **_key(mode)}
+    fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=16)
+    for it, n in enumerate((30, 17, 25)):
+        rb.extend(episodes.batch(n).to("cuda"))
+        for a, b in zip(
+            fast._get_stop_and_length(storage), ref._get_stop_and_length(storage), strict=True
+        ):
+            assert a.device == b.device and torch.equal(a, b)
+        fast._rng = torch.Generator(device="cuda").manual_seed(it)
+        ref._rng = torch.Generator(device="cuda").manual_seed(it)
+        got, expected = fast.sample(storage, 16), ref.sample(storage, 16)
+        for a, b in zip(got[0], expected[0], strict=True):
+            assert a.device.type == "cuda" and torch.equal(a, b)
+        assert got[1].keys() == expected[1].keys()
+        for k in got[1]:
+            assert torch.equal(got[1][k], expected[1][k])
+
+
+def test_single_row_storage_samples_where_torchrl_fails() -> None:
+    # TorchRL squeezes the [1, 1] done flags to a 0-dim tensor and fails (IndexError);
+    # fastreplay returns the one-step trajectory (docs/migration.md).
+    storage = LazyTensorStorage(20)
+    fast = SliceSampler(num_slices=2, end_key=DONE, strict_length=False)
+    ReplayBuffer(storage=storage, sampler=fast).extend(Episodes(None, 3).batch(1))
+    with pytest.raises(IndexError):
+        TorchRLSliceSampler(num_slices=2, end_key=DONE)._get_stop_and_length(storage)
+    start, stop, length = fast._get_stop_and_length(storage)
+    assert start.tolist() == [[0]] and stop.tolist() == [[0]] and length.tolist() == [1]
+    index, _ = fast.sample(storage, 4)
+    assert index[0].tolist() == [0, 0]  # two slices, each the single stored step
+
+
+def test_the_without_replacement_class_is_chosen_in_one_place(monkeypatch) -> None:
+    import inspect
+
+    import fastreplay.samplers.slice as slice_module
+
+    class WithoutReplacement(SliceSampler):
+        def __init__(self, *, drop_last: bool = False, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.drop_last = drop_last
+
+    monkeypatch.setattr(slice_module, "without_replacement_class", lambda: WithoutReplacement)
+    built = SliceSampler(replacement=False, num_slices=3, drop_last=True)
+    assert type(built) is WithoutReplacement and built.drop_last and built.num_slices == 3
+    again = WithoutReplacement(replacement=False, num_slices=3)  # a no-op there, as in TorchRL
+    assert type(again) is WithoutReplacement
+    params = list(inspect.signature(WithoutReplacement).parameters)
+    assert params[:2] == ["replacement", "drop_last"]
+
+    class Other(SliceSampler):
+        pass
+
+    with pytest.raises(TypeError, match="no without-replacement variant"):
+        Other(replacement=False, num_slices=3)  # other subclasses: TorchRL's TypeError
+
+
+@pytest.mark.parametrize(
+    "kwargs,change,error,match",
+    [
+        (
+            {"end_keys": [("next", "x")]},
+            None,
+            KeyError,
+            r"end_keys=\(\('next', 'x'\),\) is not in the storage, nor is traj_key=None "
+            r"\(looked for \('collector', 'traj_ids'\), 'episode'\) \(keys: ",
+        ),
+        (
+            {"traj_key": "traj"},
+            lambda td: td.exclude("traj").set("traj", td["traj"][:, None]),
+            RuntimeError,
+            r"traj_key='traj' has shape \(30, 1\); expected \(30,\).*reshape",
+        ),
+        (
+            {"end_key": DONE},
+            lambda td: td.set(DONE, td[DONE].float()),
+            NotImplementedError,
+            r"end_key=\('next', 'done'\) holds torch.float32 values.*torch.bool",
+        ),
+    ],
+)
+def test_bad_signals_name_the_argument_and_change_nothing(kwargs, change, error, match) -> None:
+    storage = LazyTensorStorage(30)
+    fast = SliceSampler(num_slices=2, **kwargs)
+    td = Episodes(None, 3, p_end=0.2).batch(20)
+    rb = ReplayBuffer(storage=storage, sampler=fast)
+    rb.extend(change(td) if change else td)
+    before = storage[:20].clone()
+    with pytest.raises(error, match=match):
+        fast.sample(storage, 4)
+    assert fast._fr_index is None and len(rb) == 20
+    assert (storage[:20] == before).all()

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import inspect
+import operator
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import is_tensor_collection
+from tensordict.utils import NestedKey
 from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
+from torchrl.data.replay_buffers.storages import TensorStorage
+from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from fastreplay._trajectory_index import TrajectoryIndex
 
-__all__ = ["SliceSampler"]
+__all__ = [
+    "MissingKeyError",
+    "SignalTypeError",
+    "SliceSampler",
+    "SliceSamplerError",
+    "without_replacement_class",
+]
 
 _READ_CHUNK = 1 << 24  # rows read at once when rebuilding from the whole storage
 
@@ -29,18 +42,84 @@ class _KeyProbe:
         return iter(self.data.keys(include_nested=True, leaves_only=True))
 
 
-class MissingKeyError(KeyError):
-    """A boundary key is missing from the storage (``str`` shows the message unquoted)."""
+class MissingKeyError(KeyError, RuntimeError):
+    """A boundary key is missing from the storage.
+
+    TorchRL raises ``RuntimeError`` or ``KeyError`` here depending on the key arguments; this
+    class is both, so either handler catches it (``str`` shows the message unquoted).
+    """
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
 
 class SliceSamplerError(ValueError, RuntimeError):
-    """Bad sampling request; a ``ValueError`` that TorchRL-style ``RuntimeError`` handlers catch."""
+    """Bad sampling request or setting; a ``ValueError`` that ``RuntimeError`` handlers catch."""
 
 
-class SliceSampler(_TorchRLSliceSampler):
+class SignalTypeError(TypeError, NotImplementedError):
+    """Done flags of a floating-point dtype (TorchRL raises ``NotImplementedError``)."""
+
+
+def without_replacement_class() -> type:
+    """The class that ``SliceSampler(replacement=False, ...)`` builds, with the same arguments.
+
+    The one place that makes this choice; that class also accepts ``replacement=False`` itself
+    (a no-op), as TorchRL's classes do.
+
+    Returns:
+        TorchRL's ``SliceSamplerWithoutReplacement``.
+    """
+    from torchrl.data import SliceSamplerWithoutReplacement
+
+    return SliceSamplerWithoutReplacement
+
+
+_REPLACEMENT = inspect.Parameter(
+    "replacement", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool"
+)
+
+
+class _SliceSamplerMeta(type(_TorchRLSliceSampler)):  # type: ignore[misc]
+    """TorchRL's sampler metaclass, plus ``replacement=False`` dispatch and real signatures."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("replacement", True):
+            if cls is SliceSampler:
+                del kwargs["replacement"]
+                return without_replacement_class()(*args, **kwargs)
+            if cls is without_replacement_class():  # already without replacement: a no-op
+                del kwargs["replacement"]
+        return super().__call__(*args, **kwargs)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """``cls(...)``'s arguments (TorchRL's metaclass makes them read ``*args, **kwargs``)."""
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        if all(p.name != "replacement" for p in params):
+            params.insert(0, _REPLACEMENT)
+        return inspect.Signature(params)
+
+
+def _check_count(name: str, value: Any) -> Any:
+    """``num_slices``/``slice_len``: ``None`` or a positive integer (numpy ints accepted)."""
+    if value is None or isinstance(value, bool):  # TorchRL reads True as 1
+        return value
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an integer, got {name}={value!r} of type {type(value).__name__}; "
+            f"pass a positive int (e.g. {name}=4)."
+        ) from None
+    if count < 1:
+        raise SliceSamplerError(
+            f"{name} must be at least 1, got {name}={count}; pass a positive int (e.g. {name}=4)."
+        )
+    return count
+
+
+class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
     """Drop-in ``torchrl.data.SliceSampler`` whose trajectory boundaries are kept up to date.
 
     Same constructor arguments and same outputs (index format, ``truncated``/``done``/
@@ -53,12 +132,17 @@ class SliceSampler(_TorchRLSliceSampler):
     * ``sample`` costs ``O(batch)``, independent of capacity and of the number of trajectories;
     * the index holds ``O(number of trajectories)`` integers.
 
-    Writes the sampler was not told about (``rb[idx] = ...``, another writer or process,
-    ``empty()``, ``loads``, ``load_state_dict``) change the storage's mutation revision; the
-    index is then rebuilt from the storage once (``O(items stored)``), never served stale.
+    Writes through the storage that the sampler was not told about (``rb[idx] = ...``, another
+    writer or process, ``empty()``, ``loads``, ``load_state_dict``) change the storage's
+    mutation revision; the index is then rebuilt from the storage once (``O(items stored)``),
+    never served stale. **In-place edits of stored done flags or trajectory ids through a
+    view** (``rb["next", "done"][i] = True``, ``storage[:][key][i] = ...``) bypass the storage
+    and cannot be seen without a full scan: call :meth:`invalidate_boundaries` after them.
 
-    ``fragmented=True``, the static ``ends``/``trajectories`` arguments and ``use_gpu`` keep
-    TorchRL's own code path.
+    ``SliceSampler(replacement=False, ...)`` returns :func:`without_replacement_class` built with
+    the other arguments, as TorchRL does. ``fragmented=True``, the static ``ends``/
+    ``trajectories`` arguments, ``use_gpu`` and storages that are not a TensorDict
+    ``TensorStorage`` (``ListStorage``, ``LazyStackStorage``) keep TorchRL's own code path.
 
     Example:
         >>> import torch
@@ -77,14 +161,74 @@ class SliceSampler(_TorchRLSliceSampler):
         torch.Size([4, 1])
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        num_slices: int | None = None,
+        slice_len: int | None = None,
+        end_key: NestedKey | None = None,
+        end_keys: Sequence[NestedKey] | None = None,
+        traj_key: NestedKey | None = None,
+        step_key: NestedKey | None = "step_count",
+        fragmented: bool = False,
+        ends: torch.Tensor | None = None,
+        trajectories: torch.Tensor | None = None,
+        cache_values: bool = False,
+        truncated_key: NestedKey | None = ("next", "truncated"),
+        init_key: NestedKey | None = "is_init",
+        strict_length: bool = True,
+        pad_output: bool = False,
+        compile: bool | dict = False,
+        span: bool | int | tuple[bool | int, bool | int] = False,
+        use_gpu: torch.device | bool = False,
+    ) -> None:
+        """Build the sampler; arguments as in ``torchrl.data.SliceSampler``.
+
+        Raises:
+            TypeError: ``num_slices``/``slice_len`` is not an integer (and TorchRL's own
+                errors for exclusive or missing arguments).
+            SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
+        """
+        super().__init__(
+            num_slices=num_slices,
+            slice_len=slice_len,
+            end_key=end_key,
+            end_keys=end_keys,
+            traj_key=traj_key,
+            step_key=step_key,
+            fragmented=fragmented,
+            ends=ends,
+            trajectories=trajectories,
+            cache_values=cache_values,
+            truncated_key=truncated_key,
+            init_key=init_key,
+            strict_length=strict_length,
+            pad_output=pad_output,
+            compile=compile,
+            span=span,
+            use_gpu=use_gpu,
+        )
+        self.num_slices = _check_count("num_slices", num_slices)
+        self.slice_len = _check_count("slice_len", slice_len)
         self._fr_index: TrajectoryIndex | None = None
         self._fr_spec: tuple | None = None
+        self._fr_storage: weakref.ref | None = None  # identity that a new storage cannot reuse
         self._fr_revision = 0
         self._fr_pending: list[list[int]] = []  # [first_row, n_rows] runs not yet indexed
         self._fr_pending_writes = 0
         self._fr_dirty = False
+        self._fr_loaded = False  # a checkpoint was loaded: the storage's cursor may be stale
+
+    def invalidate_boundaries(self) -> None:
+        """Rebuild the trajectory boundaries from the storage at the next ``sample``.
+
+        Call it after editing stored done flags or trajectory ids in place through a view
+        (``rb["next", "done"][i] = True``, ``storage[:][key][i] = ...``): such edits bypass
+        the storage's write path, so the index cannot see them. Writes through the replay
+        buffer or the storage (``extend``, ``add``, ``rb[idx] = ...``) need no call.
+        The rebuild costs one ``O(items stored)`` read of the boundary keys.
+        """
+        self._fr_dirty = True
 
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor) -> None:
@@ -99,9 +243,11 @@ class SliceSampler(_TorchRLSliceSampler):
 
     def _fr_record(self, index: int | torch.Tensor) -> None:
         self._fr_pending_writes += 1
+        self._fr_loaded = False  # the storage's cursor is current again
         if self._fr_dirty:
             return
         rows = torch.as_tensor(index).reshape(-1) if not torch.is_tensor(index) else index
+        rows = rows.cpu()
         if rows.ndim == 2:  # [n * columns, ndim] for ndim > 1 storages: keep the time rows
             rows = torch.unique_consecutive(rows[:, 0])
         rows = rows.reshape(-1)
@@ -126,88 +272,122 @@ class SliceSampler(_TorchRLSliceSampler):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load TorchRL's (empty) state; the index is rebuilt at the next sample."""
         super().load_state_dict(state_dict)
-        self._fr_dirty = True
+        self._fr_dirty = self._fr_loaded = True
 
     def loads(self, path: Any) -> None:
         """Load from ``path`` as TorchRL does; the index is rebuilt at the next sample."""
         super().loads(path)
-        self._fr_dirty = True
+        self._fr_dirty = self._fr_loaded = True
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_fr_index=None, _fr_spec=None, _fr_pending=[], _fr_dirty=True)
+        state.update(_fr_index=None, _fr_spec=None, _fr_storage=None, _fr_pending=[])
+        state["_fr_dirty"] = True
         return state
 
     # ----------------------------------------------------------------------- the index
-    def _fr_fast(self) -> bool:
-        return not (self.fragmented or self.use_gpu or "static-stop-and-length" in self._cache)
+    def _fr_fast(self, storage: Any) -> bool:
+        """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
+        if self.fragmented or self.use_gpu or "static-stop-and-length" in self._cache:
+            return False
+        if not isinstance(storage, TensorStorage):
+            return False  # ListStorage, LazyStackStorage, ...: TorchRL's path and errors
+        if (
+            not getattr(storage, "initialized", True)
+            and getattr(storage, "shared_init", False)
+            and len(storage)
+        ):
+            # Other processes initialised the shared memmap: attach to it as storage.get() does.
+            storage._wait_for_init()
+        data = getattr(storage, "_storage", None)
+        return data is None or is_tensor_collection(data)
 
     def _fr_signal_keys(self, storage: Any) -> tuple[str, tuple]:
-        """(mode, keys) as TorchRL resolves them, including its traj_key -> end_key fallback."""
-        data = getattr(storage, "_storage", None)
-        if not is_tensor_collection(data):
-            raise TypeError(
-                f"SliceSampler needs a TensorDict storage (LazyTensorStorage, LazyMemmapStorage), "
-                f"got storage={type(storage).__name__}; store TensorDicts in a TensorStorage."
-            )
-        if getattr(self, "_traj_key_auto", False):
-            self._resolve_traj_key(storage)
-        keys = _KeyProbe(data)
-        if self._fetch_traj:
-            if self._used_traj_key in keys:
-                return "ids", (self._used_traj_key,)
-            end_keys = self.end_keys or (self.end_key,)
-            if any(k in keys for k in end_keys):
-                self._fetch_traj = False  # TorchRL falls back to end_key the same way
-                return "done", tuple(k for k in end_keys if k in keys)
-            raise MissingKeyError(
-                f"traj_key={self._used_traj_key!r} is not in the storage (keys: "
-                f"{sorted(map(str, keys))}), nor is end_key={self.end_key!r}; pass the key "
-                "that holds trajectory ids (traj_key=...) or done flags (end_key=...)."
-            )
-        end_keys = self.end_keys or (self.end_key,)
-        present = tuple(k for k in end_keys if k in keys)
-        if not present:
-            name = "end_keys" if self.end_keys else "end_key"
-            raise MissingKeyError(
-                f"{name}={self.end_keys or self.end_key!r} is not in the storage (keys: "
-                f"{sorted(map(str, keys))}); pass the key holding done flags ({name}=...) or "
-                "trajectory ids (traj_key=...)."
-            )
-        return "done", present
+        """(mode, keys) resolved exactly as TorchRL resolves them, fallbacks included.
+
+        TorchRL tries ``traj_key`` then falls back to ``end_key``/``end_keys`` (or the other
+        way round), remembering the outcome; the same attributes change the same way here.
+        """
+        keys = _KeyProbe(storage._storage)
+        tried: list[str] = []  # "name=value" of every key argument looked up, in order
+        for fallback in (True, False):
+            if getattr(self, "_traj_key_auto", False):
+                self._resolve_traj_key(storage)
+                if not self._fetch_traj:
+                    tried.append("traj_key=None (looked for ('collector', 'traj_ids'), 'episode')")
+            if self._fetch_traj:
+                if self._used_traj_key in keys:
+                    return "ids", (self._used_traj_key,)
+                tried.append(f"traj_key={self._used_traj_key!r}")
+                if fallback:
+                    self._fetch_traj = False
+                    continue
+                break
+            if self.end_keys is None:
+                if self.end_key in keys:
+                    return "done", (self.end_key,)
+                tried.append(f"end_key={self.end_key!r}")
+                break  # TorchRL does not fall back from a missing end_key
+            present = tuple(k for k in self.end_keys if k in keys)
+            if present:
+                return "done", present
+            tried.append(f"end_keys={self.end_keys!r}")
+            if fallback:
+                self._fetch_traj = True
+                if self.traj_key is None:
+                    self._traj_key_auto = True
+                continue
+            break
+        tried = list(dict.fromkeys(tried))
+        raise MissingKeyError(
+            f"{tried[0]} is not in the storage{''.join(', nor is ' + t for t in tried[1:])} "
+            f"(keys: {sorted(map(str, keys))}); pass the key holding trajectory ids "
+            "(traj_key=...) or done flags (end_key=... or end_keys=[...])."
+        )
 
     def _fr_leaves(self, storage: Any, mode: str, keys: tuple) -> list[torch.Tensor]:
-        """The full signal tensors, validated (dtype, shape) before any state changes."""
+        """The full signal tensors as ``[rows, columns]``, validated before any state changes."""
         data, ndim = storage._storage, storage.ndim
         shape = tuple(data.shape[:ndim])
         leaves = []
         for key in keys:
             leaf = data.get(key)
-            if mode == "done" and leaf.dtype != torch.bool:
-                raise TypeError(
-                    f"end_key={key!r} holds {leaf.dtype} values; SliceSampler needs boolean "
-                    f"done flags: store them as torch.bool (e.g. done.bool())."
+            if mode == "done" and (leaf.is_floating_point() or leaf.is_complex()):
+                raise SignalTypeError(
+                    f"end_key={key!r} holds {leaf.dtype} values; done flags must be booleans "
+                    "or integers: store them as torch.bool (e.g. done.bool())."
                 )
-            if mode == "ids" and (leaf.dtype == torch.bool or leaf.is_floating_point()):
-                raise TypeError(
-                    f"traj_key={key!r} holds {leaf.dtype} values; trajectory ids must be "
-                    "integers: store them as torch.int64."
+            if mode == "ids" and tuple(leaf.shape) != shape:  # TorchRL squeezes flags only
+                raise SliceSamplerError(
+                    f"traj_key={key!r} has shape {tuple(leaf.shape)}; expected {shape} (one id "
+                    f"per stored step): store the ids without trailing dims (ids.reshape{shape})."
                 )
-            if tuple(leaf.shape) not in (shape, (*shape, 1)):
-                raise ValueError(
-                    f"{'end_key' if mode == 'done' else 'traj_key'}={key!r} has shape "
-                    f"{tuple(leaf.shape)}; expected {shape} or {(*shape, 1)} (one value per "
-                    "stored step): store one flag or id per step."
+            if tuple(leaf.shape[:ndim]) != shape or leaf.shape[ndim:].numel() != 1:
+                raise SliceSamplerError(
+                    f"end_key={key!r} has shape {tuple(leaf.shape)}; expected {shape}, optionally "
+                    f"followed by dims of size 1 (e.g. {(*shape, 1)}): store one flag per step."
                 )
             leaves.append(leaf.reshape(leaf.shape[0], -1))
         return leaves
 
-    def _fr_read(self, leaves: list[torch.Tensor], first: int, n: int, rows: int) -> np.ndarray:
+    @staticmethod
+    def _fr_read(
+        leaves: list[torch.Tensor], first: int, n: int, rows: int, mode: str
+    ) -> np.ndarray:
+        """Rows ``first .. first + n`` (wrapping) of the signal, on the CPU: ``O(n)``.
+
+        Done flags of any integer dtype count where they are non-zero, as in TorchRL; several
+        end keys are OR-ed.
+        """
         idx = (first + torch.arange(n)) % rows if first + n > rows else slice(first, first + n)
-        out = leaves[0][idx]
-        for leaf in leaves[1:]:
-            out = out | leaf[idx]
-        return out.numpy()
+        if mode == "ids":
+            return leaves[0][idx].cpu().numpy()
+        out = None
+        for leaf in leaves:
+            flags = leaf[idx]
+            flags = flags if flags.dtype == torch.bool else flags != 0
+            out = flags if out is None else out | flags
+        return out.cpu().numpy()
 
     def _fr_sync(self, storage: Any) -> TrajectoryIndex:
         """Bring the index up to date with ``storage``.
@@ -216,21 +396,22 @@ class SliceSampler(_TorchRLSliceSampler):
         unreported writes.
         """
         index = self._fr_index
+        same_storage = self._fr_storage is not None and self._fr_storage() is storage
         if (
             index is not None
+            and same_storage
             and not self._fr_pending_writes
             and not self._fr_dirty
-            and self._fr_spec[0] == id(storage)
             and storage._mutation_revision == self._fr_revision
         ):
             return index  # nothing written since the last sync: O(1)
         mode, keys = self._fr_signal_keys(storage)
         leaves = self._fr_leaves(storage, mode, keys)
         rows = int(storage._storage.shape[0])
-        spec = (id(storage), mode, keys, rows, leaves[0].shape[1])
+        spec = (mode, keys, rows, leaves[0].shape[1], leaves[0].device)
         revision = storage._mutation_revision
         index, base = self._fr_index, self._fr_revision
-        if index is None or spec != self._fr_spec:
+        if index is None or spec != self._fr_spec or not same_storage:
             # A storage is created at revision 0: a sampler attached from the start has been
             # told about every write since. Otherwise the baseline is unknown: rebuild.
             base = 0 if self._fr_spec is None else None
@@ -254,15 +435,36 @@ class SliceSampler(_TorchRLSliceSampler):
             self._fr_index, self._fr_dirty = None, True
             raise
         self._fr_index, self._fr_spec, self._fr_revision = index, spec, revision
+        self._fr_storage = weakref.ref(storage)
         self._fr_pending, self._fr_pending_writes, self._fr_dirty = [], 0, False
         return index
 
-    @staticmethod
-    def _fr_matches(index: TrajectoryIndex, storage: Any) -> bool:
+    def _fr_last_row(self, storage: Any) -> int | None:
+        """Last written row of a full storage, or ``None`` (then: the last row).
+
+        The storage records it on every write, but a checkpoint does not carry it: after
+        ``load_state_dict``/``loads`` the round-robin writer's restored cursor says where the
+        newest item is (TorchRL then treats the end of the storage as the newest item).
+        """
+        cursor = storage._last_cursor_index
+        if cursor is not None and not self._fr_loaded:
+            return cursor
+        rows = int(storage._storage.shape[0])
+        writers = {
+            int(writer._cursor)
+            for buffer in getattr(storage, "_attached_entities", ())
+            for writer in (getattr(buffer, "_writer", None),)
+            if isinstance(writer, RoundRobinWriter)
+        }
+        if len(writers) == 1:
+            return (writers.pop() - 1) % rows
+        return cursor
+
+    def _fr_matches(self, index: TrajectoryIndex, storage: Any) -> bool:
         full = bool(storage._is_full)
         if full != (index.size == index.rows) or index.size != (storage._len_along_dim0 or 0):
             return False
-        cursor = storage._last_cursor_index
+        cursor = self._fr_last_row(storage) if full else None
         return not full or cursor is None or cursor == index.cursor
 
     def _fr_write_run(
@@ -271,7 +473,8 @@ class SliceSampler(_TorchRLSliceSampler):
         """Index ``n`` rows written from row ``first`` (wrapping), reading them in chunks."""
         for offset in range(0, n, _READ_CHUNK):
             row = (first + offset) % rows
-            index.write(row, self._fr_read(leaves, row, min(_READ_CHUNK, n - offset), rows))
+            chunk = self._fr_read(leaves, row, min(_READ_CHUNK, n - offset), rows, index.mode)
+            index.write(row, chunk)
 
     def _fr_rebuild(
         self, index: TrajectoryIndex, storage: Any, leaves: list[torch.Tensor], rows: int
@@ -279,7 +482,7 @@ class SliceSampler(_TorchRLSliceSampler):
         index.reset()
         first = 0
         if storage._is_full:
-            cursor = storage._last_cursor_index
+            cursor = self._fr_last_row(storage)
             first = (cursor + 1) % rows if cursor is not None else 0
         self._fr_write_run(index, leaves, first, storage._len_along_dim0 or 0, rows)
 
@@ -297,14 +500,15 @@ class SliceSampler(_TorchRLSliceSampler):
         return self._adjusted_batch_size(batch_size)
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
-        if not self._fr_fast():
+        if not self._fr_fast(storage) or len(storage) == 0:
             return super()._get_stop_and_length(storage, fallback)
         index = self._fr_sync(storage)
+        device = self._fr_spec[-1]
         start, stop, length, col = (torch.from_numpy(a) for a in index.boundaries())
         return (
-            self._fr_with_coords(storage, start, col),
-            self._fr_with_coords(storage, stop, col),
-            length,
+            self._fr_with_coords(storage, start, col).to(device),
+            self._fr_with_coords(storage, stop, col).to(device),
+            length.to(device),
         )
 
     @classmethod
@@ -325,7 +529,7 @@ class SliceSampler(_TorchRLSliceSampler):
 
     def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
         """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
-        if not self._fr_fast():
+        if not self._fr_fast(storage):
             return super().sample(storage, batch_size)
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
@@ -335,6 +539,7 @@ class SliceSampler(_TorchRLSliceSampler):
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )
         index = self._fr_sync(storage)
+        device = self._fr_spec[-1]
         n_all = int(index.counts(1).sum())
         n_long = int(index.counts(seq_length).sum())
         any_short = n_long < n_all
@@ -347,10 +552,16 @@ class SliceSampler(_TorchRLSliceSampler):
             )
         min_length = seq_length if (self.strict_length and any_short) else 1
         ranks = torch.randint(
-            n_long if min_length > 1 else n_all, (num_slices,), generator=self._rng
+            n_long if min_length > 1 else n_all,
+            (num_slices,),
+            generator=self._rng,
+            device=device,  # TorchRL draws on the storage's device: same numbers
         )
-        start, length, col = (torch.from_numpy(a) for a in index.select(ranks.numpy(), min_length))
-        start_idx = self._fr_with_coords(storage, start, col)
+        start, length, col = (
+            torch.from_numpy(a) for a in index.select(ranks.cpu().numpy(), min_length)
+        )
+        start_idx = self._fr_with_coords(storage, start, col).to(device)
+        length = length.to(device)
         target = None
         seq: int | torch.Tensor = seq_length
         if any_short and not self.strict_length:
@@ -363,7 +574,7 @@ class SliceSampler(_TorchRLSliceSampler):
             seq_length=seq,
             num_slices=num_slices,
             storage_length=storage.shape[0],
-            traj_idx=torch.arange(num_slices),
+            traj_idx=torch.arange(num_slices, device=device),
             target_seq_length=target,
             storage=storage,
         )
