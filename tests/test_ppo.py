@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -335,6 +337,26 @@ def test_recurrent_sequence_longer_than_chunk_is_refused(kind):
         chunked_log_prob(actor, flat, chunk_size=8)
     # A 1-dim batch that fits in a chunk is the one-shot call.
     assert_same64(chunked_log_prob(actor, flat, chunk_size=40), one_shot(actor, flat))
+
+
+def test_recurrent_empty_batches_are_the_one_shot_call():
+    actor = recurrent_actor("lstm")
+    data = rollout((0, 16))
+    lp = chunked_log_prob(actor, data, chunk_size=8)
+    assert lp.shape == (0, 16, ACT)
+    assert_same64(lp, one_shot(actor, data))
+    # No time steps at all: TorchRL's LSTM fails on the one-shot call, and the same way here.
+    steps = TensorDict(
+        obs=torch.randn(3, 0, OBS, dtype=torch.float64),
+        action=torch.randn(3, 0, ACT, dtype=torch.float64),
+        is_init=torch.zeros(3, 0, 1, dtype=torch.bool),
+        batch_size=[3, 0],
+    )
+    with pytest.raises(IndexError) as one_shot_error:
+        one_shot(actor, steps)
+    with pytest.raises(IndexError, match=re.escape(str(one_shot_error.value))):
+        chunked_log_prob(actor, steps, chunk_size=8)
+    assert "action_log_prob" not in steps
 
 
 def test_recurrent_mode_from_the_context_manager():
