@@ -281,8 +281,15 @@ def test_move_tree_copies_without_blocking(monkeypatch: pytest.MonkeyPatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", spy)
-    out = _pinning.move_tree({"a": torch.zeros(2), "b": (torch.ones(1),)}, torch.device("cpu"))
-    assert seen == [True, True] and out["b"][0].device.type == "cpu"
+    # "meta" stands in for an accelerator: host-to-device copies are queued, not waited for.
+    tree = {"a": torch.zeros(2), "b": (torch.ones(1),)}
+    out = _pinning.move_tree(tree, torch.device("meta"))
+    assert seen == [True, True] and out["b"][0].device.type == "meta"
+    # To the host (from a storage on an accelerator): a non-blocking copy would hand back a
+    # tensor before its data arrived, so these copies block.
+    seen.clear()
+    out = _pinning.move_tree(tree, torch.device("cpu"))
+    assert seen == [False, False] and out["b"][0].device.type == "cpu"
     td = TensorDict(a=torch.zeros(2), batch_size=[2])
     moved = _pinning.move_tree(td, torch.device("cpu"))
     assert moved.device == torch.device("cpu")
@@ -531,10 +538,34 @@ def test_device_pins_then_moves_without_blocking(
     monkeypatch.setattr(_pinning, "move_tree", spy)
     rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice", pin_memory=True, device="cpu")
     assert rb.device == torch.device("cpu")
+    # To an accelerator ("meta" stands in for one; construction only accepts real devices):
+    # everything is pinned before the non-blocking move.
+    rb._fr_device = torch.device("meta")
     data = rb.sample()
-    assert moves == [([], torch.device("cpu"))]  # everything was pinned before the move
+    assert moves == [([], torch.device("meta"))]
+    assert data.device == torch.device("meta")
+    # To the host: moved first (from a storage on an accelerator), then pinned.
+    rb._fr_device = torch.device("cpu")
+    moves.clear()
+    data = rb.sample()
+    assert [device for _, device in moves] == [torch.device("cpu")]
     assert data.device == torch.device("cpu")
     assert unpinned(data, fake_pinning.is_pinned) == []
+
+
+@requires_cuda
+def test_device_cpu_from_a_cuda_storage_is_pinned():
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY, device="cuda"),
+        batch_size=12,
+        device="cpu",
+        pin_memory=True,
+    )
+    rb.extend(make_data())
+    data = rb.sample()
+    assert data.device == torch.device("cpu")
+    assert _real_unpinned(data) == []
+    assert_slices_consistent(data)
 
 
 TRUTHY = [True, np.bool_(True), 1, np.int64(2), "yes", torch.tensor(True), np.array([1])]
@@ -830,6 +861,20 @@ def test_prioritized_buffer_storage_on_device(
     restored.load_state_dict(ours.state_dict())
     assert len(restored) == len(ours)
     assert_same_sample(restored[:], ours[:])
+
+
+@requires_cuda
+def test_device_cpu_from_a_cuda_storage_is_synchronised():
+    """Samples brought to the host are complete when returned (blocking device-to-host)."""
+    big = TensorDict(obs=torch.arange(2_000_000).reshape(1000, 2000), batch_size=[1000])
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(1000, device="cuda"), batch_size=1000, device="cpu"
+    )
+    rb.extend(big)
+    for _ in range(3):
+        data = rb.sample()
+        assert data.device == torch.device("cpu")
+        torch.testing.assert_close(data["obs"], big["obs"][data["index"]], rtol=0, atol=0)
 
 
 @requires_cuda

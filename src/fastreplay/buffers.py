@@ -156,10 +156,16 @@ class _PinnedSampleMixin:
         return self._fr_device
 
     def _finish(self, data: Any, info: Any) -> tuple[Any, Any]:
+        device = self._fr_device
+        to_host = device is not None and device.type == "cpu"
+        if to_host:
+            # From a storage on an accelerator: bring it over first, then pin what arrived.
+            data = _pinning.move_tree(data, device)
         if self._fr_pinning:
             data, info = _pinning.pin_tree((data, info))
-        if self._fr_device is not None:
-            data = _pinning.move_tree(data, self._fr_device)
+        if device is not None and not to_host:
+            # To an accelerator: pinned first, so the copy does not block.
+            data = _pinning.move_tree(data, device)
         return data, info
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
