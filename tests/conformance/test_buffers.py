@@ -380,12 +380,17 @@ def test_per_update_tensordict_priority_reduces_per_step_errors(per_impl: Impl) 
     torch.testing.assert_close(sample["priority_weight"], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["state_dict", "dumps"])
+@pytest.mark.parametrize("how", ["state_dict", "dumps", "dumps-memmap"])
 def test_per_checkpoint_round_trip(per_impl: Impl, how: str, tmp_path: Any) -> None:
-    rb = per_buffer(per_impl)
+    def make(name: str) -> Any:
+        if how == "dumps-memmap":
+            return trl.LazyMemmapStorage(CAPACITY, scratch_dir=tmp_path / name)
+        return trl.LazyTensorStorage(CAPACITY)
+
+    rb = per_buffer(per_impl, storage=make("a"))
     filled(rb)
     set_all_priorities(rb)
-    fresh = per_buffer(per_impl)
+    fresh = per_buffer(per_impl, storage=make("b"))
     if how == "state_dict":
         fresh.load_state_dict(rb.state_dict())
     else:
@@ -396,6 +401,22 @@ def test_per_checkpoint_round_trip(per_impl: Impl, how: str, tmp_path: Any) -> N
     rb.set_rng(torch.Generator().manual_seed(11))
     fresh.set_rng(torch.Generator().manual_seed(11))
     assert_same(fresh.sample(), rb.sample())  # same priorities, same draws
+
+
+def test_per_add_getitem_len_and_transform(per_impl: Impl) -> None:
+    def transform(td: TensorDict) -> TensorDict:
+        return td.set("twice", td["obs"] * 2)
+
+    rb = per_buffer(per_impl, transform=transform)
+    data = filled(rb)  # 11 items in 7 slots
+    assert len(rb) == CAPACITY
+    assert int(rb.add(data[0])) == 4
+    assert_rows(rb[4], data[0])
+    assert_rows(rb[torch.tensor([0, 2])], data[torch.tensor([7, 9])])
+    sample = rb.sample()
+    assert torch.equal(sample["twice"], sample["obs"] * 2)
+    assert {"index", "priority_weight"} <= set(sample.keys())
+    assert_sample_is_stored(rb, sample)
 
 
 def test_per_memmap_storage(per_impl: Impl, tmp_path: Any) -> None:
