@@ -297,11 +297,20 @@ def rollout(batch_size: tuple[int, ...], *, episode_len: int = 5) -> TensorDict:
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 @pytest.mark.parametrize(
     ("batch_size", "chunk_size", "rows_per_call"),
-    [((4, 16), 16, 1), ((4, 16), 40, 2), ((4, 16), 48, 3), ((2, 3, 16), 33, 2), ((4, 16), 64, 4)],
+    [
+        ((4, 16), 16, 1),
+        ((4, 16), 40, 2),
+        ((4, 16), 48, 3),
+        ((2, 3, 16), 33, 2),
+        ((4, 16), 64, 4),
+        ((40, 1), 8, 8),  # one-step sequences: still [sequences, time], never one long row
+    ],
 )
 def test_recurrent_actor_chunks_whole_sequences(kind, batch_size, chunk_size, rows_per_call):
     actor = recurrent_actor(kind)
     data = rollout(batch_size)
+    if batch_size[-1] == 1:
+        data["is_init"].zero_()  # nothing marks the rows apart: only the shape does
     expected = one_shot(actor, data)
     rec = recorder(actor)
     rec.sizes.clear()

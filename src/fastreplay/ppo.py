@@ -300,7 +300,7 @@ def chunked_log_prob(
     if not one_call:
         steps, rows = _rows_per_chunk(batch_size, chunk_size, sequential, why)
         # Independent elements: [numel]. Sequences: [num_sequences, time], time kept whole.
-        shape = (numel,) if steps == 1 else (numel // steps, steps)
+        shape = (numel // steps, steps) if sequential else (numel,)
         flat = src if src.batch_size == shape else src.reshape(*shape)
 
     outputs: list[torch.Tensor] = []
