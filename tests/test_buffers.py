@@ -16,6 +16,7 @@ from collections import namedtuple
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torchrl.data.replay_buffers.utils as torchrl_rb_utils
@@ -280,8 +281,15 @@ def test_move_tree_copies_without_blocking(monkeypatch: pytest.MonkeyPatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", spy)
-    out = _pinning.move_tree({"a": torch.zeros(2), "b": (torch.ones(1),)}, torch.device("cpu"))
-    assert seen == [True, True] and out["b"][0].device.type == "cpu"
+    # "meta" stands in for an accelerator: host-to-device copies are queued, not waited for.
+    tree = {"a": torch.zeros(2), "b": (torch.ones(1),)}
+    out = _pinning.move_tree(tree, torch.device("meta"))
+    assert seen == [True, True] and out["b"][0].device.type == "meta"
+    # To the host (from a storage on an accelerator): a non-blocking copy would hand back a
+    # tensor before its data arrived, so these copies block.
+    seen.clear()
+    out = _pinning.move_tree(tree, torch.device("cpu"))
+    assert seen == [False, False] and out["b"][0].device.type == "cpu"
     td = TensorDict(a=torch.zeros(2), batch_size=[2])
     moved = _pinning.move_tree(td, torch.device("cpu"))
     assert moved.device == torch.device("cpu")
@@ -441,12 +449,6 @@ def test_prioritized_buffer_uses_fastreplay_sampler_without_compiled_extension()
         )
 
 
-def test_prioritized_buffer_rejects_bad_pin_memory_before_building_anything():
-    # Validation runs before TorchRL builds its (compiled) sampler, so it works everywhere.
-    with pytest.raises(TypeError, match=r"pin_memory must be a bool, got 1 of type int"):
-        TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory=1)
-
-
 def test_getitem_is_pinned(fake_pinning: FakePinning):
     rb = make_buffer(
         TensorDictReplayBuffer, "random", pin_memory=True, transform=device_none_transform
@@ -536,23 +538,99 @@ def test_device_pins_then_moves_without_blocking(
     monkeypatch.setattr(_pinning, "move_tree", spy)
     rb = make_buffer(TensorDictReplayBuffer, "torchrl-slice", pin_memory=True, device="cpu")
     assert rb.device == torch.device("cpu")
+    # To an accelerator ("meta" stands in for one; construction only accepts real devices):
+    # everything is pinned before the non-blocking move.
+    rb._fr_device = torch.device("meta")
     data = rb.sample()
-    assert moves == [([], torch.device("cpu"))]  # everything was pinned before the move
+    assert moves == [([], torch.device("meta"))]
+    assert data.device == torch.device("meta")
+    # To the host: moved first (from a storage on an accelerator), then pinned.
+    rb._fr_device = torch.device("cpu")
+    moves.clear()
+    data = rb.sample()
+    assert [device for _, device in moves] == [torch.device("cpu")]
     assert data.device == torch.device("cpu")
     assert unpinned(data, fake_pinning.is_pinned) == []
+
+
+@requires_cuda
+def test_device_cpu_from_a_cuda_storage_is_pinned():
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY, device="cuda"),
+        batch_size=12,
+        device="cpu",
+        pin_memory=True,
+    )
+    rb.extend(make_data())
+    data = rb.sample()
+    assert data.device == torch.device("cpu")
+    assert _real_unpinned(data) == []
+    assert_slices_consistent(data)
+
+
+TRUTHY = [True, np.bool_(True), 1, np.int64(2), "yes", torch.tensor(True), np.array([1])]
+FALSY = [False, np.bool_(False), 0, None, "", torch.tensor(0), np.array([0.0])]
+
+
+@pytest.mark.parametrize("value", TRUTHY, ids=repr)
+def test_pin_memory_accepts_any_true_value_as_torchrl_does(value: Any, no_accelerator: None):
+    """TorchRL reads ``pin_memory`` with ``if self._pin_memory:``: so does fastreplay."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bool(TorchRLBuffer(storage=LazyTensorStorage(10), pin_memory=value)._pin_memory)
+    for cls, kwargs in (
+        (TensorDictReplayBuffer, {}),
+        (TensorDictPrioritizedReplayBuffer, {"alpha": 0.7, "beta": 0.5}),
+    ):
+        with pytest.warns(UserWarning, match="'pin_memory' argument is set as true") as record:
+            rb = cls(storage=LazyTensorStorage(10), pin_memory=value, **kwargs)
+        assert len(record) == 1
+        assert rb.pin_memory is True and rb.pins is False
+
+
+@pytest.mark.parametrize("value", TRUTHY, ids=repr)
+def test_true_pin_memory_values_pin(value: Any, fake_pinning: FakePinning):
+    rb = make_buffer(TensorDictReplayBuffer, "random", pin_memory=value)
+    assert rb.pin_memory is True and rb.pins is True
+    assert unpinned(rb.sample(return_info=True), fake_pinning.is_pinned) == []
+
+
+@pytest.mark.parametrize("value", FALSY, ids=repr)
+def test_false_pin_memory_values_do_not_pin(value: Any, no_accelerator: None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no accelerator" warning either
+        rb = make_buffer(TensorDictReplayBuffer, "random", pin_memory=value)
+        assert rb.pin_memory is False and rb.pins is False
+        rb.sample()
 
 
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        (1, TypeError, r"pin_memory must be a bool, got 1 of type int; pass pin_memory=True"),
-        ("yes", TypeError, r"pin_memory must be a bool, got 'yes' of type str"),
-        (None, TypeError, r"pin_memory must be a bool, got None of type NoneType"),
+        (
+            torch.ones(2),
+            RuntimeError,
+            r"pin_memory=tensor\(\[1., 1.\]\) \(of type torch.Tensor\) has no truth value: "
+            r"Boolean value of Tensor with more than one value is ambiguous; pass "
+            r"pin_memory=True or pin_memory=False\.",
+        ),
+        (
+            np.array([1, 0]),
+            ValueError,
+            r"pin_memory=array\(\[1, 0\]\) \(of type numpy.ndarray\) has no truth value: .*"
+            r"ambiguous.*; pass pin_memory=True or pin_memory=False\.",
+        ),
     ],
 )
-def test_bad_pin_memory(value: Any, error: type, match: str):
+def test_pin_memory_without_a_truth_value(value: Any, error: type, match: str):
+    """Refused at construction with the class TorchRL raises at its first ``sample``."""
+    torchrl_rb = make_buffer(TorchRLBuffer, "random", pin_memory=value)
+    with pytest.raises(error):
+        torchrl_rb.sample()
     with pytest.raises(error, match=match):
         TensorDictReplayBuffer(storage=LazyTensorStorage(10), pin_memory=value)
+    with pytest.raises(error, match=match):
+        TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory=value)
 
 
 @pytest.mark.parametrize(
@@ -562,11 +640,22 @@ def test_bad_pin_memory(value: Any, error: type, match: str):
         ("cuda:99", ValueError, r"device='cuda:99': (no cuda device|this machine has \d+ cuda)"),
         (1.5, TypeError, r"device must be None, a str, an int or a torch.device, got 1.5"),
         (True, TypeError, r"device must be None, a str, an int or a torch.device, got True"),
+        (np.bool_(True), TypeError, r"got np.True_ of type numpy.bool; pass e.g. device='cuda'"),
     ],
 )
 def test_bad_device(value: Any, error: type, match: str):
     with pytest.raises(error, match=match):
         TensorDictReplayBuffer(storage=LazyTensorStorage(10), device=value)
+
+
+def test_numpy_integer_device_is_an_index():
+    if torch.cuda.is_available():
+        rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), device=np.int64(0))
+        assert rb.device == torch.device("cuda", 0)
+        return
+    # An int is an accelerator index: refused here (the wording depends on the torch build).
+    with pytest.raises(ValueError, match=r"device=0(: no cuda device| is not a device)"):
+        TensorDictReplayBuffer(storage=LazyTensorStorage(10), device=np.int64(0))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available on this machine")
@@ -646,6 +735,172 @@ def test_cuda_storage_is_left_on_cuda():
     )
     data = rb.sample()
     assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
+
+
+# ----------------------------------------------------------------------------- storage devices
+# Every buffer path on a storage that lives on an accelerator. The "cpu" parameter runs the same
+# checks here (so the test logic itself is exercised on every machine); "cuda" needs a GPU.
+
+STORAGE_DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def _pinning_check(request: pytest.FixtureRequest, pin_memory: bool) -> Callable:
+    """The ``is_pinned`` to check with: real with an accelerator, observed without one."""
+    if pin_memory and not _pinning.pinning_available():
+        return request.getfixturevalue("fake_pinning").is_pinned
+    return lambda t: t.is_pinned()
+
+
+@pytest.mark.parametrize("storage_device", STORAGE_DEVICES)
+@pytest.mark.parametrize("kind", SAMPLERS)
+@pytest.mark.parametrize(("pin_memory", "prefetch"), [(False, None), (True, None), (True, 2)])
+def test_storage_on_device_samples_like_torchrl(
+    storage_device: str,
+    kind: str,
+    pin_memory: bool,
+    prefetch: int | None,
+    request: pytest.FixtureRequest,
+):
+    is_pinned = _pinning_check(request, pin_memory)
+    ours = make_buffer(
+        TensorDictReplayBuffer,
+        kind,
+        storage=LazyTensorStorage(CAPACITY, device=storage_device),
+        pin_memory=pin_memory,
+        prefetch=prefetch,
+        generator=generator(5),
+    )
+    ref = make_buffer(
+        TorchRLBuffer,
+        kind,
+        storage=LazyTensorStorage(CAPACITY, device=storage_device),
+        generator=generator(5),
+    )
+    try:
+        for _ in range(3):
+            data, info = ours.sample(return_info=True)
+            ref_data, ref_info = ref.sample(return_info=True)
+            # Data and metadata stay on the storage's device, as in TorchRL.
+            assert {t.device.type for _, t in tensor_leaves(data)} == {storage_device}
+            assert_same_sample(data.cpu(), ref_data.cpu())
+            for (_, a), (_, b) in zip(tensor_leaves(info), tensor_leaves(ref_info), strict=True):
+                assert a.device == b.device
+                torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)
+            if pin_memory:
+                assert unpinned((data, info), is_pinned) == []
+            if "prioritized" in kind and prefetch is None:
+                priority = (data["obs"] % 7 + 1).float()
+                ours.update_priority(data["index"], priority)
+                ref.update_priority(ref_data["index"], priority)
+        assert_same_sample(ours[3:9].cpu(), ref[3:9].cpu())
+        assert ours[3:9]["obs"].device.type == storage_device
+    finally:
+        ours.shutdown()
+
+
+@pytest.mark.parametrize("storage_device", STORAGE_DEVICES)
+@pytest.mark.parametrize("kind", ["random", "torchrl-slice", "fastreplay-slice"])
+def test_ndim2_storage_on_device(storage_device: str, kind: str, request: pytest.FixtureRequest):
+    is_pinned = _pinning_check(request, True)
+    data = make_data().reshape(N_TRAJ, TRAJ_LEN)
+    chunks = [data[:, :5], data[:, 5:]]
+    buffers = [
+        make_buffer(
+            cls,
+            kind,
+            chunks,
+            storage=LazyTensorStorage(CAPACITY, ndim=2, device=storage_device),
+            generator=generator(6),
+            **extra,
+        )
+        for cls, extra in ((TensorDictReplayBuffer, {"pin_memory": True}), (TorchRLBuffer, {}))
+    ]
+    ours, ref = buffers
+    for _ in range(3):
+        got, ref_data = ours.sample(), ref.sample()
+        assert got["obs"].device.type == storage_device
+        assert got["index"].shape == (12, 2)
+        assert_same_sample(got.cpu(), ref_data.cpu())
+        assert unpinned(got, is_pinned) == []
+
+
+@pytest.mark.parametrize("storage_device", STORAGE_DEVICES)
+def test_prioritized_buffer_storage_on_device(
+    storage_device: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+):
+    import torchrl.data.replay_buffers.replay_buffers.prioritized_tensordict as torchrl_tdprb
+
+    is_pinned = _pinning_check(request, True)
+    # Reference: TorchRL's buffer class driving fastreplay's sampler (see above).
+    monkeypatch.setattr(torchrl_tdprb, "PrioritizedSampler", fastreplay.PrioritizedSampler)
+    kwargs = {"alpha": 0.7, "beta": 0.5, "batch_size": 12}
+    ours = TensorDictPrioritizedReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY, device=storage_device),
+        pin_memory=True,
+        generator=generator(7),
+        **kwargs,
+    )
+    ref = TorchRLPrioritizedBuffer(
+        storage=LazyTensorStorage(CAPACITY, device=storage_device), generator=generator(7), **kwargs
+    )
+    for rb in (ours, ref):
+        rb.extend(make_data()[:32])
+        rb.extend(make_data()[32:])
+    for _ in range(3):
+        data, ref_data = ours.sample(), ref.sample()
+        assert data["priority_weight"].device.type == storage_device
+        assert_same_sample(data.cpu(), ref_data.cpu())
+        assert unpinned(data, is_pinned) == []
+        for td in (data, ref_data):
+            td.set("td_error", (td["obs"] % 7 + 1).float())
+        ours.update_tensordict_priority(data)
+        ref.update_tensordict_priority(ref_data)
+    restored = TensorDictPrioritizedReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY, device=storage_device), **kwargs
+    )
+    restored.load_state_dict(ours.state_dict())
+    assert len(restored) == len(ours)
+    assert_same_sample(restored[:], ours[:])
+
+
+@requires_cuda
+def test_device_cpu_from_a_cuda_storage_is_synchronised():
+    """Samples brought to the host are complete when returned (blocking device-to-host)."""
+    big = TensorDict(obs=torch.arange(2_000_000).reshape(1000, 2000), batch_size=[1000])
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(1000, device="cuda"), batch_size=1000, device="cpu"
+    )
+    rb.extend(big)
+    for _ in range(3):
+        data = rb.sample()
+        assert data.device == torch.device("cpu")
+        torch.testing.assert_close(data["obs"], big["obs"][data["index"]], rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("storage", ["memmap", "tensor"])
+def test_device_argument_from_host_storages(storage: str, tmp_path: Any):
+    from torchrl.data import LazyMemmapStorage
+
+    make_storage = {
+        "memmap": lambda: LazyMemmapStorage(CAPACITY, scratch_dir=tmp_path),
+        "tensor": lambda: LazyTensorStorage(CAPACITY),
+    }[storage]
+    rb = make_buffer(
+        TensorDictReplayBuffer,
+        "torchrl-slice",
+        storage=make_storage(),
+        device="cuda",
+        generator=generator(8),
+    )
+    ref = make_buffer(
+        TorchRLBuffer, "torchrl-slice", storage=make_storage(), generator=generator(8)
+    )
+    data, info = rb.sample(return_info=True)
+    assert data.device.type == "cuda"
+    assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
+    assert _real_unpinned(info) == []
+    assert_same_sample(data.cpu(), ref.sample())
 
 
 def test_restored_prefetch_queue_is_pinned(fake_pinning: FakePinning):

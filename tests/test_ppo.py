@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
-from tensordict.nn import CompositeDistribution, NormalParamExtractor, TensorDictModule
+from tensordict.nn import (
+    CompositeDistribution,
+    NormalParamExtractor,
+    TensorDictModule,
+    TensorDictSequential,
+)
 from torch import nn
-from torchrl.modules import ProbabilisticActor, ValueOperator
+from torchrl.modules import (
+    GRUModule,
+    LSTMModule,
+    ProbabilisticActor,
+    ValueOperator,
+    set_recurrent_mode,
+)
 from torchrl.objectives import ClipPPOLoss, KLPENPPOLoss
 
 from fastreplay import chunked_log_prob
@@ -223,6 +236,188 @@ def test_empty_batch():
     assert data.get("action_log_prob") is lp
 
 
+@pytest.mark.parametrize("batch_size", [(0, 5), (3, 0), (0,), (), (2, 0, 3)])
+@pytest.mark.parametrize("make_actor", [normal_actor, categorical_actor, composite_actor])
+def test_empty_and_0dim_batches_match_one_shot(make_actor, batch_size):
+    actor = make_actor(torch.float64)
+    data = make_data(actor, batch_size, torch.float64)
+    expected = one_shot(actor, data)
+    result = chunked_log_prob(actor, data, chunk_size=4)
+    if isinstance(expected, torch.Tensor):
+        assert result.shape == expected.shape and result.dtype == expected.dtype
+        assert_same64(result, expected)
+        assert data.get(actor.log_prob_keys[0]) is result
+    else:
+        assert result.batch_size == torch.Size(batch_size)
+        for key in actor.log_prob_keys:
+            assert result[key].shape == expected[key].shape
+            assert_same64(result[key], expected[key])
+            assert data[key] is result[key]
+
+
+# -- recurrent actors: sequences are never cut ---------------------------------------------------
+
+HIDDEN = 8
+
+
+def recurrent_actor(kind: str, recurrent_mode: bool | None = True) -> ProbabilisticActor:
+    """LSTM/GRU body (TorchRL's modules), Normal head, float64."""
+    cls = LSTMModule if kind == "lstm" else GRUModule
+    rnn = cls(
+        input_size=OBS,
+        hidden_size=HIDDEN,
+        in_key="obs",
+        out_key="features",
+        default_recurrent_mode=recurrent_mode,
+    )
+    head = TensorDictModule(
+        nn.Sequential(BatchRecorder(), nn.Linear(HIDDEN, 2 * ACT), NormalParamExtractor()),
+        ["features"],
+        ["loc", "scale"],
+    )
+    actor = ProbabilisticActor(
+        TensorDictSequential(rnn, head),
+        in_keys=["loc", "scale"],
+        distribution_class=torch.distributions.Normal,
+    )
+    return actor.to(torch.float64)
+
+
+def rollout(batch_size: tuple[int, ...], *, episode_len: int = 5) -> TensorDict:
+    """obs, actions and ``is_init`` (episodes of ``episode_len`` steps restart mid-row)."""
+    steps = torch.arange(batch_size[-1]).expand(batch_size)
+    return TensorDict(
+        obs=torch.randn(*batch_size, OBS, dtype=torch.float64),
+        action=torch.randn(*batch_size, ACT, dtype=torch.float64),
+        is_init=(steps % episode_len == 0)[..., None],
+        batch_size=batch_size,
+    )
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    ("batch_size", "chunk_size", "rows_per_call"),
+    [
+        ((4, 16), 16, 1),
+        ((4, 16), 40, 2),
+        ((4, 16), 48, 3),
+        ((2, 3, 16), 33, 2),
+        ((4, 16), 64, 4),
+        ((40, 1), 8, 8),  # one-step sequences: still [sequences, time], never one long row
+    ],
+)
+def test_recurrent_actor_chunks_whole_sequences(kind, batch_size, chunk_size, rows_per_call):
+    actor = recurrent_actor(kind)
+    data = rollout(batch_size)
+    if batch_size[-1] == 1:
+        data["is_init"].zero_()  # nothing marks the rows apart: only the shape does
+    expected = one_shot(actor, data)
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data, chunk_size=chunk_size)
+    assert lp.shape == (*batch_size, ACT)
+    assert_same64(lp, expected)
+    # Every call held whole sequences of 16 steps, at most chunk_size elements.
+    rows = int(np.prod(batch_size[:-1]))
+    if rows_per_call < rows:
+        assert rec.sizes[0] == rows_per_call and sum(rec.sizes) == rows
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cutting_sequences_would_be_wrong(kind):
+    """Negative control: flattening a recurrent batch (sequential=False) changes the answer."""
+    actor = recurrent_actor(kind)
+    data = rollout((4, 16))
+    expected = one_shot(actor, data)
+    cut = chunked_log_prob(actor, data.copy(), chunk_size=8, sequential=False)
+    assert (cut - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_sequence_longer_than_chunk_is_refused(kind):
+    actor = recurrent_actor(kind)
+    data = rollout((4, 16))
+    before = data.clone()
+    with pytest.raises(ValueError, match=r"chunk_size=8 is smaller than the time dim.*16 steps"):
+        chunked_log_prob(actor, data, chunk_size=8)
+    assert_unchanged(data, before)
+    flat = rollout((40,))
+    with pytest.raises(ValueError, match=r"one sequence of 40 steps.*reshape data"):
+        chunked_log_prob(actor, flat, chunk_size=8)
+    # A 1-dim batch that fits in a chunk is the one-shot call.
+    assert_same64(chunked_log_prob(actor, flat, chunk_size=40), one_shot(actor, flat))
+
+
+def test_recurrent_empty_batches_are_the_one_shot_call():
+    actor = recurrent_actor("lstm")
+    data = rollout((0, 16))
+    lp = chunked_log_prob(actor, data, chunk_size=8)
+    assert lp.shape == (0, 16, ACT)
+    assert_same64(lp, one_shot(actor, data))
+    # No time steps at all: TorchRL's LSTM fails on the one-shot call, and the same way here.
+    steps = TensorDict(
+        obs=torch.randn(3, 0, OBS, dtype=torch.float64),
+        action=torch.randn(3, 0, ACT, dtype=torch.float64),
+        is_init=torch.zeros(3, 0, 1, dtype=torch.bool),
+        batch_size=[3, 0],
+    )
+    with pytest.raises(IndexError) as one_shot_error:
+        one_shot(actor, steps)
+    with pytest.raises(IndexError, match=re.escape(str(one_shot_error.value))):
+        chunked_log_prob(actor, steps, chunk_size=8)
+    assert "action_log_prob" not in steps
+
+
+def test_recurrent_mode_from_the_context_manager():
+    actor = recurrent_actor("lstm", recurrent_mode=None)  # sequential (step) mode by default
+    data = rollout((4, 16))
+    with set_recurrent_mode(True):
+        expected = one_shot(actor, data)
+        lp = chunked_log_prob(actor, data.copy(), chunk_size=40)
+        with pytest.raises(ValueError, match="recurrent mode"):
+            chunked_log_prob(actor, data.copy(), chunk_size=8)
+    assert_same64(lp, expected)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_step_mode_rnn_flattens_like_any_actor(kind):
+    """Outside recurrent mode each element is one step from its stored state: independent."""
+    actor = recurrent_actor(kind, recurrent_mode=False)
+    data = rollout((4, 16))
+    expected = one_shot(actor, data)
+    rec = recorder(actor)
+    rec.sizes.clear()
+    assert_same64(chunked_log_prob(actor, data, chunk_size=7), expected)
+    assert max(rec.sizes) == 7
+
+
+class CumulativeOverTime(nn.Module):
+    """A sequence model TorchRL knows nothing about: running mean over the time dim."""
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        steps = torch.arange(1, obs.shape[-2] + 1, dtype=obs.dtype)[:, None]
+        return obs.cumsum(-2) / steps
+
+
+def test_sequential_true_for_custom_sequence_models():
+    net = TensorDictModule(
+        nn.Sequential(CumulativeOverTime(), nn.Linear(OBS, 2 * ACT), NormalParamExtractor()),
+        ["obs"],
+        ["loc", "scale"],
+    )
+    actor = ProbabilisticActor(
+        net, in_keys=["loc", "scale"], distribution_class=torch.distributions.Normal
+    ).to(torch.float64)
+    data = rollout((5, 12))
+    expected = one_shot(actor, data)
+    assert_same64(chunked_log_prob(actor, data.copy(), chunk_size=30, sequential=True), expected)
+    with pytest.raises(TypeError, match=r"sequential must be None, True or False, got 'yes'"):
+        chunked_log_prob(actor, data, chunk_size=30, sequential="yes")
+    assert_same64(
+        chunked_log_prob(actor, data.copy(), chunk_size=30, sequential=np.bool_(True)), expected
+    )
+
+
 # -- composite distributions --------------------------------------------------------------------
 
 
@@ -257,7 +452,7 @@ def test_composite_custom_out_keys_follow_log_prob_keys_order():
 # -- state left as it was -----------------------------------------------------------------------
 
 
-def test_train_mode_dropout_and_rng_restored():
+def test_train_mode_dropout_restored_and_rng_untouched():
     actor = normal_actor(torch.float64, dropout=0.5)
     actor.train()
     actor.module[0].module[0].eval()  # a mixed mode must survive too
@@ -265,7 +460,7 @@ def test_train_mode_dropout_and_rng_restored():
     data = make_data(actor, (200,), torch.float64)
     rng = torch.get_rng_state()
     lp = chunked_log_prob(actor, data, chunk_size=33)
-    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(torch.get_rng_state(), rng)  # eval mode: nothing drew
     assert [m.training for m in actor.modules()] == modes
     # Dropout was off: chunking does not change the answer, repeating does not either.
     assert_same64(lp, one_shot(actor, data))
@@ -273,6 +468,41 @@ def test_train_mode_dropout_and_rng_restored():
     actor.module[0].module[0].eval()
     again = chunked_log_prob(actor, data.exclude("action_log_prob"), chunk_size=33)
     assert torch.equal(lp, again)
+
+
+class HandOff(nn.Module):
+    """Identity layer that, on its first call, lets another thread run to completion."""
+
+    def __init__(self, other_thread) -> None:
+        super().__init__()
+        self.other_thread = other_thread
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.other_thread.is_alive() and self.other_thread.ident is None:
+            self.other_thread.start()
+            self.other_thread.join()
+        return x
+
+
+def test_global_rng_draws_of_another_thread_are_kept():
+    """A thread (a prefetching buffer, a collector) draws from the global RNG while
+    chunked_log_prob runs: its draws must not be undone, or it would repeat them."""
+    import threading
+
+    drawn: list[torch.Tensor] = []
+    other = threading.Thread(target=lambda: drawn.append(torch.randint(0, 1000, (8,))))
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (40,), torch.float64)
+    actor.module[0].module.insert(0, HandOff(other))
+    torch.manual_seed(123)
+    chunked_log_prob(actor, data, chunk_size=7)
+    assert len(drawn) == 1  # the other thread ran in the middle of the computation
+    after = torch.randint(0, 1000, (8,))
+    torch.manual_seed(123)
+    first, second = torch.randint(0, 1000, (8,)), torch.randint(0, 1000, (8,))
+    assert torch.equal(drawn[0], first)
+    # The global stream went on from where the other thread left it: no repeated draws.
+    assert torch.equal(after, second)
 
 
 def test_actor_in_eval_mode_stays_in_eval_mode():

@@ -149,12 +149,14 @@ def pin_tree(tree: Any) -> Any:
 
 
 def move_tree(tree: Any, device: torch.device) -> Any:
-    """Return ``tree`` with every tensor leaf on ``device``, copied with ``non_blocking=True``.
+    """Return ``tree`` with every tensor leaf on ``device``; copies to an accelerator don't block.
 
     Pin the tree first (:func:`pin_tree`): a non-blocking copy from pageable host memory is
-    synchronous. TensorDicts and tensorclasses take ``device`` as their device. Leaves already
-    on ``device`` are not copied. O(number of leaves); the copies are queued on the current
-    stream of the calling thread.
+    synchronous. Copies to the host (``device="cpu"``, e.g. from a storage on an accelerator)
+    block: a non-blocking device-to-host copy returns before the data has arrived. TensorDicts
+    and tensorclasses take ``device`` as their device. Leaves already on ``device`` are not
+    copied. O(number of leaves); the copies are queued on the current stream of the calling
+    thread.
 
     Args:
         tree: A tensor, TensorDict/tensorclass, or dict/list/tuple of those.
@@ -165,6 +167,7 @@ def move_tree(tree: Any, device: torch.device) -> Any:
         >>> move_tree({"index": torch.arange(3)}, torch.device("cpu"))["index"].device
         device(type='cpu')
     """
+    non_blocking = device.type != "cpu"
     if is_tensor_collection(tree):
-        return tree.to(device, non_blocking=True)
-    return _map_tree(tree, lambda tensor: tensor.to(device, non_blocking=True))
+        return tree.to(device, non_blocking=non_blocking)
+    return _map_tree(tree, lambda tensor: tensor.to(device, non_blocking=non_blocking))

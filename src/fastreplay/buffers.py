@@ -14,11 +14,13 @@ once at construction and samples unpinned, as ``torch.utils.data.DataLoader`` do
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import sys
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 import torchrl
 from tensordict import is_tensor_collection, is_tensorclass
@@ -55,23 +57,42 @@ def _user_stacklevel() -> int:
     return level
 
 
+def _type_name(value: Any) -> str:
+    """``int``, ``str``... for builtins; ``numpy.bool``, ``torch.Tensor``... for the rest."""
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+
+
 def _check_pin_memory(pin_memory: Any) -> bool:
-    if not isinstance(pin_memory, bool):
-        raise TypeError(
-            f"pin_memory must be a bool, got {pin_memory!r} of type {type(pin_memory).__name__}; "
-            "pass pin_memory=True or pin_memory=False."
-        )
-    return pin_memory
+    """As TorchRL (``if self._pin_memory:``): any value, read for its truth value.
+
+    ``numpy.bool_``, ``0``/``1``, a one-element tensor... are accepted. A value with no truth
+    value (a tensor or array of several elements) raises here, at construction, the error class
+    ``bool()`` raises, where TorchRL would raise it at the first ``sample``.
+    """
+    try:
+        return bool(pin_memory)
+    except Exception as err:
+        cls = type(err) if isinstance(err, (TypeError, ValueError, RuntimeError)) else TypeError
+        raise cls(
+            f"pin_memory={pin_memory!r} (of type {_type_name(pin_memory)}) has no truth value: "
+            f"{err}; pass pin_memory=True or pin_memory=False."
+        ) from None
 
 
 def _check_device(device: Any) -> torch.device | None:
     """A ``torch.device`` that exists on this machine, or ``None``."""
     if device is None:
         return None
+    if not isinstance(device, (bool, np.bool_, str, torch.device)):
+        with contextlib.suppress(TypeError):
+            device = operator.index(device)  # int, or a numpy / torch integer scalar
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         raise TypeError(
             f"device must be None, a str, an int or a torch.device, got {device!r} of type "
-            f"{type(device).__name__}; pass e.g. device='cuda'."
+            f"{_type_name(device)}; pass e.g. device='cuda'."
         )
     try:
         parsed = torch.device(device)
@@ -121,7 +142,7 @@ class _PinnedSampleMixin:
 
     @property
     def pin_memory(self) -> bool:
-        """Whether ``pin_memory=True`` was requested (see :attr:`pins` for what happens)."""
+        """Whether pinning was requested (``bool(pin_memory)``; :attr:`pins`: what happens)."""
         return self._fr_pin_memory
 
     @property
@@ -135,10 +156,16 @@ class _PinnedSampleMixin:
         return self._fr_device
 
     def _finish(self, data: Any, info: Any) -> tuple[Any, Any]:
+        device = self._fr_device
+        to_host = device is not None and device.type == "cpu"
+        if to_host:
+            # From a storage on an accelerator: bring it over first, then pin what arrived.
+            data = _pinning.move_tree(data, device)
         if self._fr_pinning:
             data, info = _pinning.pin_tree((data, info))
-        if self._fr_device is not None:
-            data = _pinning.move_tree(data, self._fr_device)
+        if device is not None and not to_host:
+            # To an accelerator: pinned first, so the copy does not block.
+            data = _pinning.move_tree(data, device)
         return data, info
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
@@ -238,13 +265,16 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
       accelerator ``device`` implies pinning.
 
     Args:
-        pin_memory: Pin samples (a bool). Defaults to ``False``.
+        pin_memory: Pin samples; read for its truth value, as TorchRL does. Defaults to
+            ``False``.
         device: Where samples are delivered (``"cuda"``, ``"cuda:1"``, ``"cpu"``...). Must
             exist on this machine. Defaults to ``None`` (the storage's device).
         **kwargs: Everything :class:`torchrl.data.TensorDictReplayBuffer` accepts.
 
     Raises:
-        TypeError: ``pin_memory`` is not a bool, or ``device`` is not a device-like value.
+        TypeError: ``device`` is not a device-like value.
+        ValueError, RuntimeError: ``pin_memory`` has no truth value (an array or tensor of
+            several elements); the class is the one ``bool(pin_memory)`` raises.
         ValueError: ``device`` is unknown to torch or absent from this machine.
 
     Example:
@@ -287,13 +317,16 @@ class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedB
         storage: The storage; defaults to TorchRL's default for this buffer.
         sampler_device: Device of the priority trees. Defaults to ``None`` (CPU).
         sync: As in TorchRL: ``False`` samples uniformly in worker processes.
-        pin_memory: Pin samples (a bool). Defaults to ``False``.
+        pin_memory: Pin samples; read for its truth value, as TorchRL does. Defaults to
+            ``False``.
         device: Where samples are delivered. Must exist on this machine. Defaults to ``None``.
         **kwargs: Everything else :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`
             accepts (``priority_key``, ``batch_size``, ``transform``, ``prefetch``...).
 
     Raises:
-        TypeError: ``pin_memory`` is not a bool, or ``device`` is not a device-like value.
+        TypeError: ``device`` is not a device-like value.
+        ValueError, RuntimeError: ``pin_memory`` has no truth value (an array or tensor of
+            several elements); the class is the one ``bool(pin_memory)`` raises.
         ValueError: ``device`` is unknown to torch or absent from this machine; bad
             ``alpha``/``beta``/``eps`` (from :class:`fastreplay.PrioritizedSampler`).
 
@@ -310,10 +343,10 @@ class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedB
         >>> sample = rb.sample()
         >>> sorted(sample.keys())
         ['index', 'obs', 'priority_weight', 'td_error']
-        >>> TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory="yes")
+        >>> TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory=torch.ones(2))
         Traceback (most recent call last):
         ...
-        TypeError: pin_memory must be a bool, got 'yes' of type str; ...
+        RuntimeError: pin_memory=tensor([1., 1.]) (of type torch.Tensor) has no truth value: ...
     """
 
     def __init__(

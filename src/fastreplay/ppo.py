@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import ProbabilisticTensorDictModule, ProbabilisticTensorDictSequential
@@ -110,10 +111,12 @@ def _validate(
 
 @contextmanager
 def _frozen_actor(actor: torch.nn.Module) -> Iterator[None]:
-    """Eval mode, no grad, and RNG states and per-module train flags restored on exit."""
+    """Eval mode and no grad; per-module train flags restored on exit.
+
+    The random number generators are left alone: restoring a saved global RNG state would undo
+    the draws other threads (a prefetching replay buffer, a collector) made in the meantime.
+    """
     modes = [(m, m.training) for m in actor.modules()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         actor.eval()
         with torch.no_grad():
@@ -121,9 +124,54 @@ def _frozen_actor(actor: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _check_sequential(sequential: object) -> bool | None:
+    if sequential is None or isinstance(sequential, (bool, np.bool_)):
+        return None if sequential is None else bool(sequential)
+    raise TypeError(
+        f"sequential must be None, True or False, got {sequential!r} of type "
+        f"{type(sequential).__name__}; pass sequential=None to detect recurrent modules"
+    )
+
+
+def _in_recurrent_mode(actor: torch.nn.Module) -> bool:
+    """Whether a submodule runs along time.
+
+    True for TorchRL ``LSTMModule``/``GRUModule`` in recurrent mode, or anything else exposing a
+    true ``recurrent_mode``. Read at call time, so ``torchrl.modules.set_recurrent_mode`` counts.
+    O(number of submodules).
+    """
+    return any(bool(getattr(module, "recurrent_mode", False)) for module in actor.modules())
+
+
+def _rows_per_chunk(
+    batch_size: torch.Size, chunk_size: int, sequential: bool, why: str
+) -> tuple[int, int]:
+    """``(elements per row, rows per chunk)``: the unit that is never split, and how many fit.
+
+    Independent elements: a row is one element. Sequential: a row is one sequence along the
+    last batch dim (time), which a chunk never cuts.
+    """
+    if not sequential:
+        return 1, chunk_size
+    steps = batch_size[-1]
+    if len(batch_size) == 1:
+        raise ValueError(
+            f"data has batch_size {list(batch_size)}: one sequence of {steps} steps, which "
+            f"{why} must see whole, is longer than chunk_size={chunk_size}; reshape data to "
+            "[num_sequences, time] (e.g. data.reshape(num_envs, -1)) so that chunks can hold "
+            "whole sequences, or pass chunk_size >= "
+            f"{steps}"
+        )
+    if steps > chunk_size:
+        raise ValueError(
+            f"chunk_size={chunk_size} is smaller than the time dim of data (batch_size "
+            f"{list(batch_size)}, {steps} steps per sequence); {why} must see each sequence "
+            f"whole, so chunks hold whole sequences: pass chunk_size >= {steps} (a multiple of "
+            f"{steps} uses it fully)"
+        )
+    return steps, chunk_size // steps
 
 
 def _chunk_log_probs(
@@ -149,6 +197,7 @@ def chunked_log_prob(
     *,
     chunk_size: int,
     out_key: NestedKey | Sequence[NestedKey] | Any | None = None,
+    sequential: bool | None = None,
 ) -> torch.Tensor | TensorDictBase:
     """Log-probability of the stored actions under the actor's current parameters, in chunks.
 
@@ -157,9 +206,19 @@ def chunked_log_prob(
     chunks of at most ``chunk_size`` elements; each chunk's result is copied into a pre-allocated
     output, which is reshaped to ``data.batch_size`` and written into ``data``.
 
+    Recurrent actors are never cut inside a sequence. When a submodule runs along time (TorchRL
+    ``LSTMModule``/``GRUModule`` in recurrent mode, by ``default_recurrent_mode`` or
+    ``set_recurrent_mode``), or with ``sequential=True``, the last batch dim of ``data`` is time
+    and is kept whole: ``data`` is viewed as ``[num_sequences, time]`` and each chunk holds
+    ``chunk_size // time`` whole sequences. A sequence longer than ``chunk_size`` is refused
+    (``ValueError``), never split. Empty and 0-dim batches, and sequential batches that fit in one
+    chunk, are one call on ``data`` as it is: the one-shot computation itself.
+
     The computation runs under ``torch.no_grad()`` with the actor in eval mode (so dropout and
-    batch-norm do not depend on how the batch is split). Each module's train/eval flag and the
-    CPU/CUDA RNG states are restored afterwards. The result equals the one-shot
+    batch-norm do not depend on how the batch is split); each module's train/eval flag is
+    restored afterwards. Random number generators are never saved or restored: an actor that
+    draws (few do: ``log_prob`` evaluates a density) draws from them as the one-shot call would,
+    and draws made by other threads meanwhile are kept. The result equals the one-shot
     ``actor.eval(); actor.log_prob(data)`` under ``no_grad`` up to round-off: matrix and
     elementwise kernels may round differently with the batch size (1-2 ulp in float64 for a
     ``Linear``/``softplus`` actor on our CPU; categorical and composite actors came out
@@ -179,6 +238,11 @@ def chunked_log_prob(
             ``ClipPPOLoss`` / ``KLPENPPOLoss`` built on this actor read. A PPO loss module: its
             ``tensor_keys.sample_log_prob``. Or a key / list of keys, one per log-prob key of the
             actor, in the order of ``actor.log_prob_keys``.
+        sequential: Whether the actor mixes information along the last batch dim of ``data``
+            (time), so that sequences must be passed whole. ``None`` (default): detected, true
+            when a submodule has a true ``recurrent_mode`` at call time. Pass ``True`` for other
+            sequence models (temporal convolutions, attention over time), ``False`` to treat
+            every batch element as independent.
 
     Returns:
         The log-probabilities (a tensor with leading dims ``data.batch_size``) for a single
@@ -187,8 +251,10 @@ def chunked_log_prob(
 
     Raises:
         TypeError: ``chunk_size`` is not an int, ``actor`` is not probabilistic, ``data`` is not a
-            TensorDict, or ``out_key`` has the wrong type.
-        ValueError: ``chunk_size`` < 1, or ``out_key`` names the wrong number of keys.
+            TensorDict, or ``out_key`` or ``sequential`` has the wrong type.
+        ValueError: ``chunk_size`` < 1, ``out_key`` names the wrong number of keys, or a
+            sequence (the last batch dim, for a sequential actor) is longer than
+            ``chunk_size``.
         KeyError: a stored action is missing from ``data``.
         In every case ``data`` is left unchanged.
 
@@ -214,30 +280,50 @@ def chunked_log_prob(
         ...     torch.testing.assert_close(lp, actor.log_prob(data.copy()))
     """
     chunk_size = _check_chunk_size(chunk_size)
+    sequential = _check_sequential(sequential)
     _check_actor(actor)
     out_keys = _resolve_out_keys(out_key, actor)
     action_keys = _validate(actor, data, out_keys)
     lp_keys = list(actor.log_prob_keys)
 
     batch_size = data.batch_size
+    numel = batch_size.numel()
+    if sequential is None:
+        sequential = _in_recurrent_mode(actor)
+        why = "the actor, which has a submodule in recurrent mode,"
+    else:
+        why = "an actor with sequential=True"
     # Shallow selection of what the actor reads: the actor's intermediate outputs go into
     # per-chunk TensorDicts, never into ``data``.
     src = data.select(*actor.in_keys, *action_keys, strict=False)
-    flat = src.reshape(-1) if len(batch_size) != 1 else src
-    numel = flat.batch_size[0]
+    one_call = numel == 0 or len(batch_size) == 0 or (sequential and numel <= chunk_size)
+    if not one_call:
+        steps, rows = _rows_per_chunk(batch_size, chunk_size, sequential, why)
+        # Independent elements: [numel]. Sequences: [num_sequences, time], time kept whole.
+        shape = (numel // steps, steps) if sequential else (numel,)
+        flat = src if src.batch_size == shape else src.reshape(*shape)
 
     outputs: list[torch.Tensor] = []
     with _frozen_actor(actor):
-        # ``max(numel, 1)``: an empty batch still makes one (empty) call to learn the shapes.
-        for start in range(0, max(numel, 1), chunk_size):
-            stop = min(start + chunk_size, numel)
-            results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
-            if not outputs:
-                outputs = [r.new_empty((numel, *r.shape[1:])) for r in results]
-            for out, r in zip(outputs, results, strict=True):
-                out[start:stop] = r
+        if one_call:
+            # Nothing to split (an empty or 0-dim batch, or one that fits in a chunk with
+            # sequences kept whole): the one-shot call itself, on ``data``'s own shape.
+            outputs = _chunk_log_probs(actor, src, lp_keys)
+        else:
+            n_rows = flat.batch_size[0]
+            for start in range(0, n_rows, rows):
+                stop = min(start + rows, n_rows)
+                results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
+                if not outputs:
+                    outputs = [r.new_empty((n_rows, *r.shape[1:])) for r in results]
+                for out, r in zip(outputs, results, strict=True):
+                    out[start:stop] = r
 
-    shaped = [out.reshape(*batch_size, *out.shape[1:]) for out in outputs]
+    if one_call:
+        shaped = outputs
+    else:
+        lead = flat.batch_dims
+        shaped = [out.reshape((*batch_size, *out.shape[lead:])) for out in outputs]
     for key, value in zip(out_keys, shaped, strict=True):
         data.set(key, value)
     if len(shaped) == 1:
