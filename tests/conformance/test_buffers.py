@@ -471,22 +471,8 @@ def test_per_empty_buffer_sample_raises(per_impl: Impl) -> None:
     assert len(rb) == 0
 
 
-def known_gap(request: pytest.FixtureRequest, impl: Impl, reason: str) -> None:
-    """Mark the fastreplay side as a known, strict failure (an unexpected pass fails too)."""
-    if not impl.is_torchrl:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=Exception, reason=reason))
-
-
-def test_per_ndim2_capacity_not_a_multiple_of_envs(
-    per_impl: Impl, request: pytest.FixtureRequest
-) -> None:
+def test_per_ndim2_capacity_not_a_multiple_of_envs(per_impl: Impl) -> None:
     """``LazyTensorStorage(50, ndim=2)`` with 3 envs holds 51 slots: TorchRL carries on."""
-    known_gap(
-        request,
-        per_impl,
-        "fastreplay.PrioritizedSampler sizes its trees at max_size (50) while the ndim=2 "
-        "storage holds 51 slots: the extend that first fills the last row raises",
-    )
     rb = per_buffer(per_impl, storage=trl.LazyTensorStorage(50, ndim=2), batch_size=12)
     data = episodes(13, [4, 5], columns=3)
     for _ in range(4):
@@ -495,15 +481,7 @@ def test_per_ndim2_capacity_not_a_multiple_of_envs(
     assert_sample_is_stored(rb, rb.sample())
 
 
-def test_per_mismatched_priority_length_raises_and_changes_nothing(
-    per_impl: Impl, request: pytest.FixtureRequest
-) -> None:
-    known_gap(
-        request,
-        per_impl,
-        "fastreplay.PrioritizedSampler raises ValueError where TorchRL raises RuntimeError: "
-        "`except RuntimeError` misses it",
-    )
+def test_per_mismatched_priority_length_raises_and_changes_nothing(per_impl: Impl) -> None:
     rb = per_buffer(per_impl)
     filled(rb)
     set_all_priorities(rb)
