@@ -430,7 +430,7 @@ def _spec_from_source(module: str, path: Path) -> ScenarioSpec:
             try:
                 if node.value is not None:
                     ast.literal_eval(node.value)
-            except ValueError:
+            except Exception:  # not a literal (e.g. 1 << 23, torch.float32): leave it out
                 continue
         elif not (isinstance(node, ast.FunctionDef) and not node.decorator_list):
             continue
@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     text = report.report(payload)
     print("\n" + text)
-    warning = report.busy_warning(loads)
+    warning = report.busy_warning({r.scenario: loads[r.scenario] for r in results})
     if warning:
         print(warning, file=sys.stderr)
     (args.out / "results.json").write_text(json.dumps(payload, indent=2, default=str))

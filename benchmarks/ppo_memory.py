@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--act-dim", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--chunk", type=parse_count, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls (0: memory only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--out", help="torch.save the log-probs here (for the answer check)")
@@ -90,12 +90,14 @@ def main() -> None:
     if args.out:
         torch.save(lp, args.out)
     del lp
-    seconds = median_seconds(compute, repeats=args.repeats, warmup=0)
-    both = None
+    seconds, both = None, None
     if args.time_both:
         both = interleaved_seconds(
             {"one-shot": one_shot, "chunked": chunked}, repeats=args.repeats, warmup=0
         )
+        seconds = both[args.mode]
+    elif args.repeats:
+        seconds = median_seconds(compute, repeats=args.repeats, warmup=0)
     print(
         json.dumps(
             {
