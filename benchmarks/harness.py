@@ -1,45 +1,120 @@
 """Side-by-side benchmark harness shared by every fastreplay scenario.
 
-Each scenario times fastreplay and TorchRL in the same process on the same workload, checks
-that both gave correct answers, and reports medians and the TorchRL/fastreplay ratio
-("speedup": above 1 means fastreplay is faster). Absolute times on shared machines are noise;
-the ratios are what we report.
+Each scenario times fastreplay and TorchRL on the same workload, checks that both gave correct
+answers, and reports medians and the TorchRL/fastreplay ratio ("speedup": above 1 means
+fastreplay is faster). Absolute times on shared machines are noise; the ratios are what we
+report. To keep the ratios honest on a machine that other processes share:
+
+* timings run with one torch intra-op thread unless ``--threads`` says otherwise;
+* :func:`interleaved_seconds` alternates the two sides' repetitions, so both see the same load;
+* the load average, the CPU count and the CPU time other processes took are recorded before and
+  after every scenario, and the table flags the scenarios that ran on a busy machine.
+
+``python -m benchmarks --help`` never imports torch: scenario options are read from the scenario
+modules' source (see :func:`scenario_specs`), and the modules are imported only to run.
 """
 
 from __future__ import annotations
+import __future__
 
 import argparse
+import ast
 import gc
 import importlib
 import json
 import math
 import os
-import pkgutil
 import platform
+import re
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+
 _SUFFIX = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}
+_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kKMG]?)$")
 
 
-def parse_count(text: str) -> int:
-    """Parse ``"6M"``, ``"346M"``, ``"1_000"`` or ``"10k"`` into an int."""
-    text = text.strip().replace("_", "")
-    if text and text[-1] in _SUFFIX:
-        return int(float(text[:-1]) * _SUFFIX[text[-1]])
-    return int(text)
+class CountError(argparse.ArgumentTypeError, ValueError):
+    """A count that does not parse (raised by :func:`parse_count`; argparse prints it)."""
+
+
+def parse_count(text: str | int) -> int:
+    """Parse ``"6M"``, ``"346M"``, ``"1_000"`` or ``"10k"`` into an int (ints pass through).
+
+    Raises:
+        CountError: (a ``ValueError`` and an ``argparse.ArgumentTypeError``) for anything else.
+    """
+    if isinstance(text, int):
+        return text
+    match = _COUNT.match(text.strip().replace("_", ""))
+    if match is None:
+        raise CountError(
+            f"{text!r} is not a count: write digits with an optional k, M or G suffix "
+            "(1000, 10k, 6M, 1.5G)"
+        )
+    value = float(match[1]) * _SUFFIX.get(match[2], 1)
+    if value != int(value):
+        raise CountError(f"{text!r} is not a whole number of items")
+    return int(value)
 
 
 def parse_counts(text: str) -> list[int]:
     """Parse a comma-separated list of counts (``"6M,600M"``)."""
-    return [parse_count(t) for t in text.split(",") if t.strip()]
+    counts = [parse_count(t) for t in text.split(",") if t.strip()]
+    if not counts:
+        raise CountError(f"{text!r}: give at least one count (e.g. 1M or 1M,10M)")
+    return counts
+
+
+def count_text(text: str) -> str:
+    """Argparse ``type=``: check ``text`` is a count, keep it as written."""
+    parse_count(text)
+    return text
+
+
+def counts_text(text: str) -> str:
+    """Argparse ``type=``: check ``text`` is a comma-separated list of counts, keep it."""
+    parse_counts(text)
+    return text
+
+
+def positive_int(text: str) -> int:
+    """Argparse ``type=``: an integer >= 1."""
+    value = parse_count(text)
+    if value < 1:
+        raise CountError(f"{text!r}: must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """Argparse ``type=``: an integer >= 0."""
+    return parse_count(text)
+
+
+def choice_list(*choices: str) -> Callable[[str], str]:
+    """Argparse ``type=`` for a comma-separated subset of ``choices``, kept as written."""
+
+    def check(text: str) -> str:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a comma-separated list of {', '.join(choices)}"
+            )
+        return text
+
+    check.__name__ = check.__qualname__ = f"choice_list({', '.join(choices)})"
+    return check
 
 
 def fmt_count(n: int) -> str:
@@ -49,6 +124,20 @@ def fmt_count(n: int) -> str:
             value = n / scale
             return f"{value:g}{suffix}"
     return str(n)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``, or ``None`` where it is undefined (missing or <= 0)."""
+    if numerator is None or denominator is None or denominator <= 0 or numerator < 0:
+        return None
+    return numerator / denominator
+
+
+def fmt_ratio(value: float | None, undefined: str = "n/a") -> str:
+    """``12.3x``; ``undefined`` (say why) where :func:`ratio` gave ``None``."""
+    if value is None or math.isnan(value):
+        return undefined
+    return f"{value:,.1f}x"
 
 
 @dataclass
@@ -66,9 +155,30 @@ class Result:
     @property
     def speedup(self) -> float | None:
         """TorchRL time / fastreplay time (above 1: fastreplay is faster)."""
-        if self.torchrl_s is None or self.fastreplay_s <= 0:
-            return None
-        return self.torchrl_s / self.fastreplay_s
+        return ratio(self.torchrl_s, self.fastreplay_s)
+
+
+def _timed_calls(
+    fn: Callable[[], object], setup: Callable[[], object] | None, n: int, out: list[float]
+) -> None:
+    for _ in range(n):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+
+
+@contextmanager
+def _gc_off() -> Iterator[None]:
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def median_seconds(
@@ -82,26 +192,69 @@ def median_seconds(
 
     As :mod:`timeit` does, garbage is collected once up front and the collector is disabled
     while timing, so a collection triggered by one library's garbage is not billed to the other.
+    To compare two libraries, prefer :func:`interleaved_seconds`.
     """
     for _ in range(warmup):
         if setup is not None:
             setup()
         fn()
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    times = []
-    try:
-        for _ in range(repeats):
-            if setup is not None:
-                setup()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    finally:
-        if enabled:
-            gc.enable()
+    times: list[float] = []
+    with _gc_off():
+        _timed_calls(fn, setup, repeats, times)
     return statistics.median(times)
+
+
+def interleaved_order(repeats: Mapping[str, int]) -> list[str]:
+    """The order of calls for :func:`interleaved_seconds`: each name's calls spread evenly.
+
+    With equal counts the names alternate, and every other round runs them in reverse
+    (``a b b a a b ...``), so neither side always runs right after the other. With unequal
+    counts the rarer side's calls are spread evenly among the others'.
+    """
+    slots = []
+    for k, (name, n) in enumerate(repeats.items()):
+        for i in range(n):
+            # position in [0, 1); ties broken by round parity, then name order
+            position = (i + 0.5) / n
+            flip = i % 2
+            slots.append((position, k if not flip else -k, name))
+    slots.sort()
+    return [name for _, _, name in slots]
+
+
+def interleaved_seconds(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int | Mapping[str, int] = 7,
+    warmup: int = 1,
+    setup: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, float]:
+    """Median wall time of each of ``fns``, their timed calls interleaved.
+
+    Both libraries then share whatever the machine was doing while they ran: a burst of load
+    from another process slows both sides' calls, not one side's whole median.
+
+    Args:
+        fns: name -> zero-argument callable (e.g. ``{"fastreplay": ..., "torchrl": ...}``).
+        repeats: timed calls per name (an int for all, or per name).
+        warmup: untimed calls per name first (also interleaved).
+        setup: optional name -> callable run untimed before each call of that name.
+
+    Returns:
+        name -> median seconds, in the order of ``fns``.
+    """
+    setup = setup or {}
+    counts = {name: repeats if isinstance(repeats, int) else repeats[name] for name in fns}
+    for _ in range(warmup):
+        for name, fn in fns.items():
+            if name in setup:
+                setup[name]()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    with _gc_off():
+        for name in interleaved_order(counts):
+            _timed_calls(fns[name], setup.get(name), 1, times[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 @contextmanager
@@ -135,17 +288,191 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def discover() -> dict[str, ModuleType]:
-    """Import every scenario module of :mod:`benchmarks.scenarios`."""
-    from benchmarks import scenarios
+# --------------------------------------------------------------------------- machine load
 
-    found = {}
-    for info in sorted(pkgutil.iter_modules(scenarios.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_snapshot() -> dict[str, Any]:
+    """Load average, CPU count, and CPU time used so far by the machine and by this process.
+
+    The machine's busy time comes from ``/proc/stat`` (Linux; ``None`` elsewhere), ours from
+    ``getrusage`` (this process and its finished children, e.g. the ``ppo`` scenario's).
+    """
+    import resource
+
+    snap: dict[str, Any] = {"time": time.time(), "wall": time.perf_counter()}
+    try:
+        snap["loadavg"] = list(os.getloadavg())
+    except OSError:
+        snap["loadavg"] = None
+    snap["cpus"] = os.cpu_count()
+    snap["usable_cpus"] = _usable_cpus()
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        own += usage.ru_utime + usage.ru_stime
+    snap["own_cpu_s"] = own
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        ticks = [int(x) for x in fields]
+        # user nice system idle iowait irq softirq steal (guest time is inside user)
+        busy = ticks[0] + ticks[1] + ticks[2] + sum(ticks[5:8])
+        snap["machine_busy_cpu_s"] = busy / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        snap["machine_busy_cpu_s"] = None
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        snap["cpu_pressure_us"] = int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        snap["cpu_pressure_us"] = None
+    return snap
+
+
+def is_busy(other_cores: float | None, cpus: int) -> bool:
+    """Whether other processes took enough CPU to distort timings.
+
+    Busy means more than a quarter of the machine's cores (at least half a core) went to
+    other processes on average. Where that is unknown (no ``/proc/stat``, or a scenario shorter
+    than a second), :func:`load_summary` calls the machine busy if its 1-minute load average
+    exceeded its CPU count when the scenario started.
+    """
+    return other_cores is not None and other_cores > max(0.5, 0.25 * cpus)
+
+
+def load_summary(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """What the machine did while a scenario ran, from two :func:`load_snapshot` readings."""
+    wall = max(after["wall"] - before["wall"], 1e-9)
+    own = (after["own_cpu_s"] - before["own_cpu_s"]) / wall
+    other = None
+    known = before["machine_busy_cpu_s"] is not None and after["machine_busy_cpu_s"] is not None
+    if known and wall >= 1.0:  # /proc/stat counts in clock ticks: too coarse below a second
+        machine = (after["machine_busy_cpu_s"] - before["machine_busy_cpu_s"]) / wall
+        other = max(machine - own, 0.0)
+    pressure = None
+    if before["cpu_pressure_us"] is not None and after["cpu_pressure_us"] is not None:
+        pressure = (after["cpu_pressure_us"] - before["cpu_pressure_us"]) / 1e6 / wall
+    cpus = after["usable_cpus"] or 1
+    return {
+        "seconds": wall,
+        "loadavg_before": before["loadavg"],
+        "loadavg_after": after["loadavg"],
+        "cpus_before": before["cpus"],
+        "cpus_after": after["cpus"],
+        "usable_cpus": cpus,
+        "own_cores": own,
+        "other_processes_cores": other,
+        "cpu_pressure": pressure,
+        "busy": is_busy(other, cpus)
+        if other is not None
+        else bool(before["loadavg"] and before["loadavg"][0] > cpus),
+    }
+
+
+def fmt_load(load: Mapping[str, Any]) -> str:
+    """One line: load averages and the cores other processes used."""
+    before, after = load.get("loadavg_before"), load.get("loadavg_after")
+    text = "load average n/a"
+    if before and after:
+        text = f"load average {before[0]:.1f} -> {after[0]:.1f}"
+    other = load.get("other_processes_cores")
+    if other is not None:
+        text += f", other processes used {other:.1f} of {load['usable_cpus']} cores"
+    return text
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+@dataclass
+class ScenarioSpec:
+    """What ``--help`` needs from a scenario module, read without importing it."""
+
+    name: str
+    description: str
+    module: str
+    add_arguments: Callable[[Any], None]
+
+
+_LIGHT_MODULES = {"__future__", "benchmarks", "benchmarks.harness"}
+
+
+def _light_import(node: ast.Import | ast.ImportFrom) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        names = [node.module or ""] if node.level == 0 else ["<relative>"]
+    else:
+        names = [alias.name for alias in node.names]
+    return all(n in _LIGHT_MODULES or n.split(".")[0] in sys.stdlib_module_names for n in names)
+
+
+def _spec_from_source(module: str, path: Path) -> ScenarioSpec:
+    """Build a scenario's ``NAME``, ``DESCRIPTION`` and ``add_arguments`` from its source.
+
+    Only standard-library and harness imports, literal constants and undecorated functions are
+    executed (annotations are never evaluated), so torch and friends are not imported.
+
+    Raises:
+        LookupError: if the module does not define them in that form; the caller then imports it.
+    """
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    namespace: dict[str, Any] = {"__name__": module, "__file__": str(path)}
+    flags = __future__.annotations.compiler_flag
+    for node in tree.body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            if not _light_import(node):
+                continue
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            try:
+                if node.value is not None:
+                    ast.literal_eval(node.value)
+            except Exception:  # not a literal (e.g. 1 << 23, torch.float32): leave it out
+                continue
+        elif not (isinstance(node, ast.FunctionDef) and not node.decorator_list):
             continue
-        module = importlib.import_module(f"benchmarks.scenarios.{info.name}")
-        found[module.NAME] = module
+        code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec", flags, True)
+        try:
+            exec(code, namespace)
+        except Exception:  # e.g. a default argument that needs torch: leave that one out
+            continue
+    name, description = namespace.get("NAME"), namespace.get("DESCRIPTION")
+    add_arguments = namespace.get("add_arguments")
+    if not isinstance(name, str) or not isinstance(description, str) or add_arguments is None:
+        raise LookupError(f"{path}: NAME, DESCRIPTION or add_arguments not found as literals")
+    try:  # it must run on its own (no name it needs was left out)
+        add_arguments(argparse.ArgumentParser(add_help=False).add_argument_group("probe"))
+    except Exception as err:
+        raise LookupError(f"{path}: add_arguments needs the full module ({err!r})") from err
+    return ScenarioSpec(name, description, module, add_arguments)
+
+
+def scenario_specs() -> dict[str, ScenarioSpec]:
+    """Every scenario module of :mod:`benchmarks.scenarios`, by ``NAME``, without importing it.
+
+    A module whose ``NAME``/``DESCRIPTION``/``add_arguments`` cannot be read from its source
+    alone is imported instead (correct, only slower for ``--help``).
+    """
+    found = {}
+    for path in sorted(SCENARIO_DIR.glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        module = f"benchmarks.scenarios.{path.stem}"
+        try:
+            spec = _spec_from_source(module, path)
+        except (LookupError, SyntaxError):
+            real = importlib.import_module(module)
+            spec = ScenarioSpec(real.NAME, real.DESCRIPTION, module, real.add_arguments)
+        found[spec.name] = spec
     return found
+
+
+def discover() -> dict[str, ModuleType]:
+    """Import every scenario module of :mod:`benchmarks.scenarios` (imports torch)."""
+    return {name: importlib.import_module(s.module) for name, s in scenario_specs().items()}
 
 
 def environment() -> dict[str, Any]:
@@ -155,153 +482,225 @@ def environment() -> dict[str, Any]:
     import torchrl
 
     try:
-        import torchrl._torchrl as ext
-
+        ext = importlib.import_module("torchrl._torchrl")
         ext_ok = hasattr(ext, "SumSegmentTreeFp32")
     except Exception:
         ext_ok = False
+    versions = {}
+    for name in ("fastreplay", "numba", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:
+            versions[name] = None
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchrl": torchrl.__version__,
         "tensordict": tensordict.__version__,
+        **versions,
+        "git_commit": _git_commit(),
         "torchrl_compiled_extension": ext_ok,
         "cpus": os.cpu_count(),
+        "usable_cpus": _usable_cpus(),
+        "cpu_model": _cpu_model(),
         "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "machine": platform.machine(),
+        "system": platform.system(),
     }
 
 
-def _fmt_s(seconds: float | None) -> str:
-    if seconds is None:
-        return "n/a"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    if seconds < 1:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds:.2f} s"
-
-
-def markdown_table(results: list[Result]) -> str:
-    """Results as a Markdown table (the one pasted into README and docs)."""
-    lines = [
-        "| scenario | case | TorchRL | fastreplay | speedup | correct |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        speedup = "n/a" if r.speedup is None else f"{r.speedup:,.1f}x"
-        lines.append(
-            f"| {r.scenario} | {r.case} | {_fmt_s(r.torchrl_s)} | {_fmt_s(r.fastreplay_s)} "
-            f"| {speedup} | {'yes' if r.correct else 'NO'} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: list[Result], path: Path) -> bool:
-    """Bar chart of speedups (log scale); returns False if matplotlib is missing."""
+def _git_commit() -> str | None:
     try:
-        import matplotlib
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rows = [r for r in results if r.speedup is not None]
-    fig, ax = plt.subplots(figsize=(10, 0.45 * max(len(rows), 1) + 1.5))
-    labels = [f"{r.scenario}: {r.case}" for r in rows]
-    values = [r.speedup for r in rows]
-    colors = ["tab:green" if v >= 1 else "tab:red" for v in values]
-    ax.barh(range(len(rows)), values, color=colors)
-    ax.set_yticks(range(len(rows)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("speedup over TorchRL (TorchRL time / fastreplay time, log scale)")
-    ax.set_title("fastreplay vs TorchRL, same process, same workload")
-    for i, v in enumerate(values):
-        ax.text(v, i, f" {v:,.1f}x", va="center", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------- command line
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default, unless its help already says it (``default: ...``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(specs: Mapping[str, ScenarioSpec]) -> argparse.ArgumentParser:
+    """The command line: harness options, then one group per scenario."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        formatter_class=_HelpFormatter,
+        description=(
+            "Time fastreplay and TorchRL side by side on the same workloads, check both\n"
+            "answers, and report the speedup: TorchRL time / fastreplay time (above 1:\n"
+            "fastreplay is faster).\n\n"
+            "Writes results.json (timings, versions, the machine and its load before and\n"
+            "after each scenario), results.md and results.png into --out. Counts take k, M\n"
+            "and G suffixes (6M = 6,000,000)."
+        ),
+        epilog=(
+            "Threads: with several torch threads on cores that other processes also use,\n"
+            "every parallel op waits for its slowest thread, and a descheduled thread costs\n"
+            "a whole scheduler time slice (milliseconds). Keep --threads 1 (the default) on\n"
+            "a shared machine; the table flags scenarios that ran while it was busy."
+        ),
+    )
+    names = ",".join(specs)
+    parser.add_argument(
+        "--only",
+        type=choice_list(*specs),
+        default=names,
+        metavar="NAMES",
+        help="comma-separated scenarios to run",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="folder for the result files"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=7,
+        help="timed calls per median (some scenarios time cheap calls more often)",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seed for torch and the samplers"
+    )
+    parser.add_argument(
+        "--threads",
+        type=non_negative_int,
+        default=1,
+        help="torch intra-op threads (and numba threads) for both libraries; 0: torch's "
+        "default, one per core",
+    )
+    parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="also write the results into the repository's README.md, between its result "
+        "markers (not done if an answer was wrong)",
+    )
+    for name, spec in specs.items():
+        group = parser.add_argument_group(f"{name}: {spec.description}")
+        spec.add_arguments(group)
+        for action in group._group_actions:
+            _type_counts(action)
+            if not action.help:  # still show the default
+                action.help = " "
+    return parser
+
+
+def _type_counts(action: argparse.Action) -> None:
+    """Give an untyped option whose default is a count (``"6M"``, ``"1M,10M"``) a checker."""
+    if action.type is not None or not isinstance(action.default, str):
+        return
+    try:
+        parse_counts(action.default)
+    except ValueError:
+        return
+    action.type = counts_text  # a single count is a one-item list
+
+
+def _describe(module: ModuleType) -> str:
+    baseline = getattr(module, "BASELINE", None)
+    return module.DESCRIPTION + (f" (vs {baseline})" if baseline else "")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the selected scenarios, print the table, write JSON and PNG into ``--out``."""
-    scenarios = discover()
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
-        description="fastreplay vs TorchRL, side by side in one process. Speedup = "
-        "TorchRL time / fastreplay time.",
-    )
-    parser.add_argument(
-        "--only",
-        default=",".join(scenarios),
-        help=f"comma-separated scenarios to run (default: all of {', '.join(scenarios)})",
-    )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per median")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads for both libraries (default: torch's default); "
-        "1 gives steadier ratios on a loaded machine",
-    )
-    for name, module in scenarios.items():
-        group = parser.add_argument_group(f"{name}: {module.DESCRIPTION}")
-        module.add_arguments(group)
+    """Run the selected scenarios, print the table, write JSON, Markdown and PNG into ``--out``."""
+    specs = scenario_specs()
+    parser = build_parser(specs)
     args = parser.parse_args(argv)
-
     selected = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = sorted(set(selected) - set(scenarios))
-    if unknown:
-        parser.error(f"--only: unknown scenario(s) {unknown}; choose from {sorted(scenarios)}")
 
+    if args.threads and "NUMBA_NUM_THREADS" not in os.environ:
+        os.environ["NUMBA_NUM_THREADS"] = str(args.threads)  # read when numba is imported
     import torch
 
+    from benchmarks import report
+
     torch.manual_seed(args.seed)
-    if args.threads is not None:
+    if args.threads:
         torch.set_num_threads(args.threads)
+    modules = {name: importlib.import_module(specs[name].module) for name in selected}
     env = environment()
     print(
-        f"torch {env['torch']}, torchrl {env['torchrl']}, tensordict {env['tensordict']}, "
-        f"TorchRL compiled extension: {'yes' if env['torchrl_compiled_extension'] else 'no'}",
+        f"{report.machine_line(env)}; TorchRL compiled extension: "
+        f"{'yes' if env['torchrl_compiled_extension'] else 'no'}",
         flush=True,
     )
     results: list[Result] = []
+    loads: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()
     for name in selected:
-        print(f"\n== {name}: {scenarios[name].DESCRIPTION}", flush=True)
-        new = scenarios[name].run(args)
+        module = modules[name]
+        print(f"\n== {name}: {module.DESCRIPTION}", flush=True)
+        before = load_snapshot()
+        new = module.run(args)
+        loads[name] = load = load_summary(before, load_snapshot())
         for r in new:
-            speed = "n/a" if r.speedup is None else f"{r.speedup:,.1f}x"
             print(
-                f"  {r.case:<48} TorchRL {_fmt_s(r.torchrl_s):>10}  "
-                f"fastreplay {_fmt_s(r.fastreplay_s):>10}  speedup {speed:>9}  "
-                f"{'ok' if r.correct else 'WRONG'}",
+                f"  {r.case:<52} TorchRL {report.fmt_s(r.torchrl_s):>10}  "
+                f"fastreplay {report.fmt_s(r.fastreplay_s):>10}  "
+                f"speedup {fmt_ratio(r.speedup):>9}  {'ok' if r.correct else 'WRONG'}",
                 flush=True,
             )
+        state = "BUSY: timings unreliable" if load["busy"] else "quiet"
+        print(f"  machine: {fmt_load(load)} ({state})", flush=True)
         results.extend(new)
     elapsed = time.perf_counter() - t0
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(results)
-    print("\n" + table)
     payload = {
         "command": " ".join(
             ["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]
         ),
         "environment": env,
+        "threads": args.threads,
         "elapsed_s": elapsed,
+        "scenarios": loads,
         "results": [asdict(r) | {"speedup": r.speedup} for r in results],
     }
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = report.report(payload)
+    print("\n" + text)
+    warning = report.busy_warning({r.scenario: loads[r.scenario] for r in results})
+    if warning:
+        print(warning, file=sys.stderr)
     (args.out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
-    (args.out / "results.md").write_text(table + "\n")
-    plotted = plot(results, args.out / "results.png")
+    (args.out / "results.md").write_text(text)
+    plotted = report.plot(
+        results,
+        args.out / "results.png",
+        env=env,
+        loads=loads,
+        descriptions={n: _describe(m) for n, m in modules.items()},
+    )
     print(
-        f"\nwrote {args.out / 'results.json'}, {args.out / 'results.md'}"
+        f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}"
         + (f", {args.out / 'results.png'}" if plotted else " (no plot: matplotlib missing)")
         + f" in {elapsed:.0f} s"
     )
@@ -312,4 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print("no results", file=sys.stderr)
         return 1
+    if args.write_readme:
+        report.write_readme(ROOT / "README.md", text)
+        print(f"wrote the table into {ROOT / 'README.md'}")
     return 0 if all(not math.isnan(r.fastreplay_s) for r in results) else 1

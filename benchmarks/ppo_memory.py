@@ -7,6 +7,8 @@ Run by :mod:`benchmarks.scenarios.ppo` once per mode, so that each peak resident
 
 Prints one JSON line: baseline RSS (after the data and the actor exist and a 64-row warm-up ran),
 peak RSS after the first full computation, and the median time of ``--repeats`` further calls.
+With ``--time-both``, after the memory reading, both computations are also timed with their
+calls interleaved (``seconds_both``), so that both see the same machine load.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torchrl.modules import MLP, IndependentNormal, ProbabilisticActor
 
-from benchmarks.harness import median_seconds, parse_count, peak_rss_bytes
+from benchmarks.harness import interleaved_seconds, median_seconds, parse_count, peak_rss_bytes
 from fastreplay import chunked_log_prob
 
 
@@ -50,10 +52,13 @@ def main() -> None:
     parser.add_argument("--act-dim", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--chunk", type=parse_count, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls (0: memory only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--out", help="torch.save the log-probs here (for the answer check)")
+    parser.add_argument(
+        "--time-both", action="store_true", help="also time both modes, calls interleaved"
+    )
     args = parser.parse_args()
 
     if args.threads:
@@ -65,18 +70,17 @@ def main() -> None:
     action = torch.randn(args.batch, args.act_dim)
     data = TensorDict(observation=obs, action=action, batch_size=[args.batch])
 
-    if args.mode == "one-shot":
+    def one_shot() -> torch.Tensor:
+        actor.eval()
+        with torch.no_grad():
+            lp = actor.log_prob(data.select("observation", "action"))
+        data.set("action_log_prob", lp)
+        return lp
 
-        def compute() -> torch.Tensor:
-            actor.eval()
-            with torch.no_grad():
-                lp = actor.log_prob(data.select("observation", "action"))
-            data.set("action_log_prob", lp)
-            return lp
-    else:
+    def chunked() -> torch.Tensor:
+        return chunked_log_prob(actor, data, chunk_size=args.chunk)
 
-        def compute() -> torch.Tensor:
-            return chunked_log_prob(actor, data, chunk_size=args.chunk)
+    compute = one_shot if args.mode == "one-shot" else chunked
 
     with torch.no_grad():  # load kernels and allocator pools before the baseline
         actor.log_prob(data[:64].select("observation", "action"))
@@ -86,7 +90,14 @@ def main() -> None:
     if args.out:
         torch.save(lp, args.out)
     del lp
-    seconds = median_seconds(compute, repeats=args.repeats, warmup=0)
+    seconds, both = None, None
+    if args.time_both:
+        both = interleaved_seconds(
+            {"one-shot": one_shot, "chunked": chunked}, repeats=args.repeats, warmup=0
+        )
+        seconds = both[args.mode]
+    elif args.repeats:
+        seconds = median_seconds(compute, repeats=args.repeats, warmup=0)
     print(
         json.dumps(
             {
@@ -97,6 +108,7 @@ def main() -> None:
                 "extra_rss": peak - baseline,
                 "output_bytes": args.batch * 4,
                 "seconds": seconds,
+                "seconds_both": both,
                 "threads": torch.get_num_threads(),
             }
         )

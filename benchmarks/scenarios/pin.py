@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
-from benchmarks.harness import Result, median_seconds, parse_count
+from benchmarks.harness import Result, interleaved_seconds, parse_count
 from fastreplay import TensorDictReplayBuffer
 
 NAME = "pin"
@@ -23,8 +23,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pin-batch", type=parse_count, default=256, help="samples per batch")
     group.add_argument("--pin-size", type=parse_count, default=2048, help="items stored")
     group.add_argument(
-        "--pin-shape", default="84x84x3", help="pixel shape per item, e.g. 84x84x3 (uint8)"
+        "--pin-shape", type=_shape, default="84x84x3", help="uint8 pixel shape per item, HxWxC"
     )
+
+
+def _shape(text: str) -> str:
+    if not all(part.isdigit() and int(part) > 0 for part in text.split("x")):
+        raise argparse.ArgumentTypeError(f"{text!r}: write the shape as HxWxC, e.g. 84x84x3")
+    return text
 
 
 def _device_transform(td: TensorDict) -> TensorDict:
@@ -81,8 +87,10 @@ def run(args: argparse.Namespace) -> list[Result]:
             and torch.equal(a["pixels"].cpu(), b["pixels"].cpu())
             and torch.equal(b["pixels"].cpu(), data["pixels"][b["step"].cpu()])
         )
-        t_torchrl = median_seconds(torchrl_step, repeats=args.repeats)
-        t_ours = median_seconds(ours_step, repeats=args.repeats)
+        times = interleaved_seconds(
+            {"fastreplay": ours_step, "torchrl": torchrl_step}, repeats=args.repeats
+        )
+        t_torchrl, t_ours = times["torchrl"], times["fastreplay"]
         results.append(
             Result(
                 scenario=NAME,

@@ -16,7 +16,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.data import PrioritizedSampler as TorchRLSampler
 
-from benchmarks.harness import Result, fmt_count, median_seconds, parse_counts, progress
+from benchmarks.harness import Result, fmt_count, interleaved_seconds, parse_counts, progress
 from fastreplay import PrioritizedSampler
 
 NAME = "prioritized"
@@ -69,13 +69,13 @@ def _lower_max(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
         _fill(theirs, capacity, priority)
         samplers["torchrl"] = theirs
     index, high, low = torch.tensor([top]), torch.tensor([10.0]), torch.tensor([0.1])
-    times, correct = {}, True
+    times = interleaved_seconds(
+        {name: (lambda s=s: s.update_priority(index, low)) for name, s in samplers.items()},
+        setup={name: (lambda s=s: s.update_priority(index, high)) for name, s in samplers.items()},
+        repeats=repeats,
+    )
+    correct = True
     for name, sampler in samplers.items():
-        times[name] = median_seconds(
-            lambda s=sampler: s.update_priority(index, low),
-            setup=lambda s=sampler: s.update_priority(index, high),
-            repeats=repeats,
-        )
         assert float(sampler.default_priority) != 10.0
         expected = second if priority[top] != second else float(priority.topk(2)[0][1])
         got = float(sampler.default_priority)
@@ -116,10 +116,9 @@ def _online_step(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
         batch = rb.sample(256)
         rb.update_priority(batch["index"], batch["obs"].abs().add(0.1))
 
-    times = {
-        name: median_seconds(lambda rb=rb: step(rb), repeats=3 * repeats)
-        for name, rb in buffers.items()
-    }
+    times = interleaved_seconds(
+        {name: (lambda rb=rb: step(rb)) for name, rb in buffers.items()}, repeats=3 * repeats
+    )
     ours = samplers["fastreplay"]
     correct = ours.default_priority == float(ours._trees.raw().max())
     batch = buffers["fastreplay"].sample(256)
@@ -140,9 +139,10 @@ def _dumps_loads(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
     samplers = {"fastreplay": PrioritizedSampler(capacity, ALPHA, BETA)}
     if torchrl_ok:
         samplers["torchrl"] = TorchRLSampler(capacity, ALPHA, BETA)
-    times, correct = {}, True
+    correct = True
     root = Path(tempfile.mkdtemp(prefix="fastreplay-per-"))
     try:
+        round_trips, fresh_makers, holders = {}, {}, {}
         for name, sampler in samplers.items():
             _fill(sampler, capacity, priority)
             path = root / name
@@ -157,8 +157,10 @@ def _dumps_loads(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
                 sampler.dumps(path)
                 holder[0].loads(path)
 
-            times[name] = median_seconds(round_trip, setup=make_fresh, repeats=max(3, repeats // 2))
-            fresh = holder[0]
+            round_trips[name], fresh_makers[name], holders[name] = round_trip, make_fresh, holder
+        times = interleaved_seconds(round_trips, setup=fresh_makers, repeats=max(3, repeats // 2))
+        for name, sampler in samplers.items():
+            fresh = holders[name][0]
             if name == "fastreplay":
                 correct &= all(
                     torch.equal(a, b)

@@ -21,7 +21,17 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
-from benchmarks.harness import Result, fmt_count, median_seconds, parse_count, progress
+from benchmarks.harness import (
+    Result,
+    choice_list,
+    count_text,
+    counts_text,
+    fmt_count,
+    interleaved_seconds,
+    parse_count,
+    positive_int,
+    progress,
+)
 from fastreplay import SliceSampler
 
 NAME = "slice"
@@ -32,12 +42,29 @@ _DONE = ("next", "done")
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--capacity", default="6M", help="storage capacity (default 6M)")
-    group.add_argument("--stored", default="5M", help="items stored (default 5M)")
-    group.add_argument("--episode-len", default="1000,50", help="episode lengths (default 1000,50)")
-    group.add_argument("--end", default="done,traj", help="boundary keys: done,traj")
-    group.add_argument("--num-slices", type=int, default=256)
-    group.add_argument("--slice-len", type=int, default=32)
+    group.add_argument("--capacity", type=count_text, default="6M", help="storage capacity (items)")
+    group.add_argument(
+        "--stored", type=count_text, default="5M", help="items written before timing starts"
+    )
+    group.add_argument(
+        "--episode-len",
+        type=counts_text,
+        default="1000,50",
+        help="episode lengths to run, comma-separated (one pair of rows each)",
+    )
+    group.add_argument(
+        "--end",
+        type=choice_list("done", "traj"),
+        default="done,traj",
+        help="how trajectories are marked, comma-separated: 'done' = ('next', 'done') flags "
+        "(end_key), 'traj' = trajectory ids (traj_key)",
+    )
+    group.add_argument(
+        "--num-slices", type=positive_int, default=256, help="slices per sampled batch"
+    )
+    group.add_argument(
+        "--slice-len", type=positive_int, default=32, help="steps per slice (batch = slices x len)"
+    )
 
 
 def _fill(rb: ReplayBuffer, stored: int, episode_len: int, end: str, offset: int = 0) -> None:
@@ -99,8 +126,14 @@ def run(args: argparse.Namespace) -> list[Result]:
 
             fast.sample(storage, batch)  # first sample: indexes the fill (untimed, like
             static.sample(storage, batch)  # TorchRL's cache fill)
-            t_fast_static = median_seconds(lambda f=fast, s=storage: f.sample(s, batch), repeats=25)
-            t_tr_static = median_seconds(lambda t=static, s=storage: t.sample(s, batch), repeats=25)
+            static_times = interleaved_seconds(
+                {
+                    "fastreplay": lambda f=fast, s=storage: f.sample(s, batch),
+                    "torchrl": lambda t=static, s=storage: t.sample(s, batch),
+                },
+                repeats=25,
+            )
+            t_fast_static, t_tr_static = static_times["fastreplay"], static_times["torchrl"]
             extra = _peak_extra_bytes(lambda f=fast, s=storage: f.sample(s, batch))
 
             # Same seed, same storage: bit-identical indices, all slices inside one trajectory.
@@ -123,8 +156,11 @@ def run(args: argparse.Namespace) -> list[Result]:
                 o.sample(s, batch)
 
             repeats = max(3, min(args.repeats, 7))
-            t_fast_online = median_seconds(online_fast, repeats=25)
-            t_tr_online = median_seconds(online_tr, repeats=repeats)
+            online_times = interleaved_seconds(
+                {"fastreplay": online_fast, "torchrl": online_tr},
+                repeats={"fastreplay": 25, "torchrl": repeats},
+            )
+            t_fast_online, t_tr_online = online_times["fastreplay"], online_times["torchrl"]
             params = {
                 "capacity": capacity,
                 "stored": stored,

@@ -1,0 +1,240 @@
+"""Reports of a benchmark run: the Markdown table, the README block and the plot.
+
+The README's results block is written only by :func:`write_readme` (``python -m benchmarks
+--write-readme``), and ``tests/test_benchmarks.py`` checks that it still has the format that
+:func:`report` produces, so the README cannot drift from what the benchmark prints.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import Result, fmt_load, fmt_ratio
+
+README_BEGIN = "<!-- benchmark-results:begin (written by python -m benchmarks --write-readme) -->"
+README_END = "<!-- benchmark-results:end -->"
+TABLE_HEADER = (
+    "| scenario | case | TorchRL | fastreplay | speedup | correct | machine |",
+    "|---|---|---|---|---|---|---|",
+)
+PARITY = 0.1  # speedups within 1 +/- PARITY count as the same speed in the plot
+
+
+def machine_line(env: Mapping[str, Any]) -> str:
+    """``2 CPUs (model), torch 2.15.0, torchrl 0.14.1, tensordict 0.14.3, 1 torch thread``."""
+    threads = env["torch_threads"]
+    return (
+        f"{env['usable_cpus']} CPUs ({env['cpu_model']}), "
+        f"{'CUDA ' + env['cuda'] + ', ' if env.get('cuda') else ''}"
+        f"Python {env['python']}, torch {env['torch']}, torchrl {env['torchrl']}, "
+        f"tensordict {env['tensordict']}, {threads} torch thread{'s' if threads != 1 else ''}"
+    )
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def fmt_s(seconds: float | None) -> str:
+    """``135 us``, ``2.01 ms``, ``1.20 s``; ``n/a`` for ``None``."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def parse_seconds(text: str) -> float | None:
+    """Inverse of the table's time format (``"135 us"``, ``"2.01 ms"``, ``"1.20 s"``)."""
+    if text == "n/a":
+        return None
+    value, unit = text.split()
+    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
+def markdown_table(results: list[Result], busy: Mapping[str, bool] | None = None) -> str:
+    """Results as a Markdown table; ``busy[scenario]`` marks rows timed on a busy machine."""
+    busy = busy or {}
+    lines = list(TABLE_HEADER)
+    for r in results:
+        machine = "**busy**" if busy.get(r.scenario) else "quiet"
+        lines.append(
+            f"| {r.scenario} | {r.case} | {fmt_s(r.torchrl_s)} | {fmt_s(r.fastreplay_s)} "
+            f"| {fmt_ratio(r.speedup)} | {'yes' if r.correct else 'NO'} | {machine} |"
+        )
+    return "\n".join(lines)
+
+
+def busy_warning(loads: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """A warning naming the scenarios that ran on a busy machine, or ``None``."""
+    busy = {name: load for name, load in loads.items() if load["busy"]}
+    if not busy:
+        return None
+    details = "; ".join(f"{name}: {fmt_load(load)}" for name, load in busy.items())
+    return (
+        f"WARNING: the machine was busy with other processes ({details}). Rows marked busy may "
+        "be off in either direction; rerun on a quiet machine before trusting them."
+    )
+
+
+def report(payload: Mapping[str, Any]) -> str:
+    """``results.md``: the machine line, any busy warning, then the table."""
+    env = payload["environment"]
+    results = [Result(**_result_fields(r)) for r in payload["results"]]
+    measured = {r.scenario for r in results}  # a scenario with no rows needs no warning
+    loads = {name: load for name, load in payload["scenarios"].items() if name in measured}
+    lines = [
+        f"`{payload['command']}` on {machine_line(env)}; fastreplay and TorchRL repetitions "
+        f"interleaved; {payload['elapsed_s']:.0f} s.",
+        "",
+    ]
+    warning = busy_warning(loads)
+    if warning:
+        lines += [f"> **{warning}**", ""]
+    lines.append(markdown_table(results, {n: load["busy"] for n, load in loads.items()}))
+    return "\n".join(lines) + "\n"
+
+
+def _result_fields(row: Mapping[str, Any]) -> dict[str, Any]:
+    names = Result.__dataclass_fields__
+    return {k: v for k, v in row.items() if k in names}
+
+
+def write_readme(path: Path, block: str) -> None:
+    """Replace the text between the README's result markers with ``block``."""
+    text = path.read_text(encoding="utf-8")
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"{path}: markers {README_BEGIN!r} ... {README_END!r} not found")
+    new = text[: begin + len(README_BEGIN)] + "\n" + block.strip() + "\n" + text[end:]
+    path.write_text(new, encoding="utf-8")
+
+
+def readme_block(path: Path) -> str:
+    """The text between the README's result markers."""
+    text = path.read_text(encoding="utf-8")
+    return text.split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot(
+    results: list[Result],
+    path: Path,
+    *,
+    env: Mapping[str, Any] | None = None,
+    loads: Mapping[str, Mapping[str, Any]] | None = None,
+    descriptions: Mapping[str, str] | None = None,
+) -> bool:
+    """Speedup bars from 1x on a log scale, one panel per scenario; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        return False
+    loads, descriptions = loads or {}, descriptions or {}
+    rows = [r for r in results if r.speedup is not None]
+    if not rows:
+        return False
+    scenarios = list(dict.fromkeys(r.scenario for r in rows))
+    per = {s: [r for r in rows if r.scenario == s] for s in scenarios}
+    colors = {"faster": "#2a9d8f", "parity": "#9e9e9e", "slower": "#e76f51"}
+
+    def kind(v: float) -> str:
+        if v > 1 + PARITY:
+            return "faster"
+        return "slower" if v < 1 - PARITY else "parity"
+
+    values = [r.speedup for r in rows]
+    lo = min(min(values), 1.0) / 3.0
+    hi = max(max(values), 1.0) * 6.0
+    heights = [len(per[s]) * 0.36 + 0.9 for s in scenarios]
+    fig, axes = plt.subplots(
+        len(scenarios),
+        1,
+        figsize=(11, sum(heights) + 1.6),
+        sharex=True,
+        squeeze=False,
+        height_ratios=heights,
+        layout="constrained",
+    )
+    any_busy = False
+    for ax, scenario in zip(axes[:, 0], scenarios, strict=True):
+        items = per[scenario]
+        busy = bool(loads.get(scenario, {}).get("busy"))
+        any_busy |= busy
+        y = list(range(len(items)))
+        vals = [r.speedup for r in items]
+        ax.barh(
+            y,
+            [v - 1.0 for v in vals],
+            left=1.0,
+            height=0.62,
+            color=[colors[kind(v)] for v in vals],
+            hatch="///" if busy else None,
+            edgecolor="white" if busy else None,
+            linewidth=0,
+        )
+        # a tick at each value: a bar from 1x to about 1x has no visible length
+        ax.scatter(vals, y, marker="|", s=160, linewidths=2, c=[colors[kind(v)] for v in vals])
+        ax.axvline(1.0, color="black", linewidth=0.9)
+        ax.set_yticks(y, [r.case for r in items], fontsize=8)
+        ax.set_ylim(len(items) - 0.5, -0.5)
+        ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}x"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(axis="x", which="major", color="#dddddd", linewidth=0.6)
+        ax.set_axisbelow(True)
+        for i, v in enumerate(vals):
+            right = v >= 1.0
+            ax.text(
+                v * (1.08 if right else 1 / 1.08),
+                i,
+                f"{v:.2f}x" if v < 10 else fmt_ratio(v),  # 0.88x is not 0.9x near parity
+                va="center",
+                ha="left" if right else "right",
+                fontsize=8,
+                clip_on=True,
+            )
+        title = textwrap.shorten(f"{scenario}: {descriptions.get(scenario, '')}", 110)
+        if busy:
+            title += f"\nBUSY machine ({fmt_load(loads[scenario])}): timings unreliable"
+        ax.set_title(title, fontsize=9, loc="left", color="#b00020" if busy else "black")
+    axes[-1, 0].set_xlabel(
+        "speedup = TorchRL time / fastreplay time (log scale; right of 1x: fastreplay faster)",
+        fontsize=9,
+    )
+    handles = [
+        Patch(color=colors["faster"], label=f"fastreplay faster (> {1 + PARITY:g}x)"),
+        Patch(color=colors["parity"], label=f"same speed ({1 - PARITY:g}x to {1 + PARITY:g}x)"),
+        Patch(color=colors["slower"], label=f"fastreplay slower (< {1 - PARITY:g}x)"),
+    ]
+    if any_busy:
+        handles.append(
+            Patch(facecolor="#cccccc", hatch="///", edgecolor="white", label="busy machine")
+        )
+    title = "fastreplay vs TorchRL: speedup per case"
+    if env is not None:
+        quiet = all(not loads.get(s, {}).get("busy") for s in scenarios)
+        title += (
+            f"\n{machine_line(env)}\nboth libraries timed in one process, repetitions "
+            "interleaved (ppo: chunked vs one-shot, memory in separate processes); machine "
+            + ("quiet" if quiet else "BUSY in the hatched panels")
+        )
+    fig.suptitle(title, fontsize=9)
+    fig.legend(
+        handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False
+    )
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,366 @@
+"""The benchmark harness: command line, interleaved timing, machine load, reports, README block."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from benchmarks import harness, report
+from benchmarks.harness import (
+    CountError,
+    Result,
+    build_parser,
+    fmt_ratio,
+    interleaved_order,
+    interleaved_seconds,
+    is_busy,
+    load_snapshot,
+    load_summary,
+    main,
+    parse_count,
+    parse_counts,
+    ratio,
+    scenario_specs,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO)])
+    return env
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def test_help_does_not_import_torch_and_shows_every_default() -> None:
+    code = (
+        "import sys\n"
+        "from benchmarks.harness import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "heavy = sorted(m for m in ('torch', 'tensordict', 'torchrl', 'fastreplay', 'numpy')\n"
+        "               if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout, done.stdout[-500:]
+    text = " ".join(done.stdout.split())  # help lines wrap anywhere
+    for spec in scenario_specs().values():
+        assert f"{spec.name}: {spec.description}" in text
+    assert "(default: 6M)" in text and "(default: 1)" in text  # --capacity, --threads
+
+
+def test_every_option_is_explained_and_shows_its_default() -> None:
+    parser = build_parser(scenario_specs())
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0]
+        assert action.help and action.help.strip(), f"{name} has no help"
+        assert "default" in formatter._get_help_string(action), f"{name} hides its default"
+
+
+def test_scenario_options_read_from_source_match_the_imported_modules() -> None:
+    """``--help`` reads options without importing; the real modules must give the same ones."""
+
+    def options(add_arguments) -> list[tuple]:
+        parser = argparse.ArgumentParser(add_help=False)
+        add_arguments(parser.add_argument_group("g"))
+        return [
+            (
+                tuple(a.option_strings),
+                a.default,
+                a.help,
+                getattr(a.type, "__qualname__", None),
+                a.choices,
+            )
+            for a in parser._actions
+        ]
+
+    specs = scenario_specs()
+    assert {"slice", "prioritized", "ppo", "pin"} <= set(specs)
+    for name, spec in specs.items():
+        module = importlib.import_module(spec.module)
+        assert name == module.NAME and spec.description == module.DESCRIPTION
+        assert options(spec.add_arguments) == options(module.add_arguments), name
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "shown"),
+    [
+        (["--capacity", "6X"], "--capacity", "'6X' is not a count"),
+        (["--stored", "-5"], "--stored", "'-5' is not a count"),
+        (["--episode-len", "1000,fifty"], "--episode-len", "'fifty' is not a count"),
+        (["--per-capacity", "1M,x"], "--per-capacity", "'x' is not a count"),
+        (["--ppo-batch", "big"], "--ppo-batch", "'big' is not a count"),
+        (["--repeats", "0"], "--repeats", "must be at least 1"),
+        (["--threads", "-1"], "--threads", "'-1' is not a count"),
+        (["--only", "slice,nope"], "--only", "'slice,nope': give a comma-separated list"),
+        (["--end", "done,flag"], "--end", "give a comma-separated list of done, traj"),
+        (["--pin-shape", "84x84xRGB"], "--pin-shape", "HxWxC"),
+    ],
+)
+def test_bad_values_are_argparse_errors(argv, flag, shown, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and shown in err, err
+    assert "Traceback" not in err
+
+
+def test_good_values_parse() -> None:
+    args = build_parser(scenario_specs()).parse_args(
+        ["--capacity", "600M", "--per-capacity", "1M,10M", "--threads", "0", "--only", "slice"]
+    )
+    assert (args.capacity, args.per_capacity, args.threads) == ("600M", "1M,10M", 0)
+    assert args.repeats == 7 and args.threads == 0
+
+
+def test_parse_count() -> None:
+    assert parse_count("6M") == 6_000_000
+    assert parse_count("1_000") == 1000
+    assert parse_count("1.5G") == 1_500_000_000
+    assert parse_count(7) == 7
+    assert parse_counts("1M, 10k") == [1_000_000, 10_000]
+    for bad in ("6X", "", "1.5", "M", "1e6"):
+        with pytest.raises(CountError, match="not a"):
+            parse_count(bad)
+    assert issubclass(CountError, ValueError)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def test_interleaved_order_alternates_and_spreads() -> None:
+    assert interleaved_order({"a": 3, "b": 3}) == ["a", "b", "b", "a", "a", "b"]
+    order = interleaved_order({"fast": 9, "slow": 3})
+    assert order.count("fast") == 9 and order.count("slow") == 3
+    slow_at = [i for i, name in enumerate(order) if name == "slow"]
+    assert slow_at[0] > 0 and slow_at[-1] < len(order) - 1  # spread, not bunched at one end
+    assert max(b - a for a, b in itertools.pairwise(slow_at)) <= 5  # 12 calls / 3, +1
+
+
+def test_interleaved_seconds_runs_setup_before_each_call_and_returns_medians() -> None:
+    log: list[str] = []
+    fns = {"x": lambda: log.append("x"), "y": lambda: log.append("y")}
+    setup = {"x": lambda: log.append("setup x")}
+    times = interleaved_seconds(fns, repeats={"x": 2, "y": 4}, warmup=1, setup=setup)
+    assert list(times) == ["x", "y"] and all(t >= 0 for t in times.values())
+    assert log.count("x") == 3 and log.count("y") == 5 and log.count("setup x") == 3
+    for i, entry in enumerate(log):
+        if entry == "x":
+            assert log[i - 1] == "setup x"
+    timed = [e for e in log[3:] if not e.startswith("setup")]
+    assert timed[0] != timed[1] or timed[1] != timed[2]  # interleaved, not 'x x y y y y'
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _snap(wall: float, own: float, machine: float | None, load: float = 0.3) -> dict:
+    return {
+        "time": wall,
+        "wall": wall,
+        "loadavg": [load, load, load],
+        "cpus": 2,
+        "usable_cpus": 2,
+        "own_cpu_s": own,
+        "machine_busy_cpu_s": machine,
+        "cpu_pressure_us": None,
+    }
+
+
+def test_load_summary_separates_our_cpu_from_other_processes() -> None:
+    quiet = load_summary(_snap(0, 0, 100), _snap(10, 9.5, 110))
+    assert quiet["own_cores"] == pytest.approx(0.95)
+    assert quiet["other_processes_cores"] == pytest.approx(0.05)
+    assert not quiet["busy"]
+    busy = load_summary(_snap(0, 0, 100, 0.5), _snap(10, 5, 124, 5.9))
+    assert busy["other_processes_cores"] == pytest.approx(1.9)
+    assert busy["busy"] and busy["loadavg_after"][0] == 5.9
+    unknown = load_summary(_snap(0, 0, None), _snap(10, 5, None))
+    assert unknown["other_processes_cores"] is None and not unknown["busy"]
+    short = load_summary(_snap(0, 0, 100, 5.5), _snap(0.2, 0.1, 100.1, 5.5))
+    assert short["other_processes_cores"] is None and short["busy"]  # from the load average
+    assert not is_busy(0.5, 2) and is_busy(0.6, 2) and not is_busy(3.0, 16) and is_busy(4.1, 16)
+
+
+def test_load_snapshot_reads_this_machine() -> None:
+    snap = load_snapshot()
+    assert snap["cpus"] == os.cpu_count() and snap["usable_cpus"] >= 1
+    assert snap["own_cpu_s"] > 0
+    if sys.platform == "linux":
+        assert snap["machine_busy_cpu_s"] > 0 and len(snap["loadavg"]) == 3
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def test_ratio_with_zero_or_missing_denominator_is_undefined_not_huge() -> None:
+    assert ratio(67_330_048.0, 0) is None
+    assert ratio(None, 1.0) is None and ratio(1.0, None) is None
+    assert fmt_ratio(ratio(67_330_048.0, 0), "n/a: nothing measured") == "n/a: nothing measured"
+    assert fmt_ratio(ratio(3.0, 2.0)) == "1.5x"
+    assert Result("s", "c", 0.0, 1.0, True).speedup is None
+
+
+def _payload(busy_ppo: bool = True) -> dict:
+    results = [
+        Result("slice", "6M/5M ep50 done online", 0.000896, 0.00756, True),
+        Result("slice", "6M/5M ep50 done static", 0.000401, 0.000399, True),
+        Result("ppo", "chunked vs one-shot, batch 100k", 0.2, 0.25, True),
+    ]
+    quiet = load_summary(_snap(0, 0, 100), _snap(10, 9.5, 110))
+    busy = load_summary(_snap(0, 0, 100, 3.0), _snap(10, 5, 124, 5.9))
+    return {
+        "command": "python -m benchmarks --out bench-results",
+        "environment": {
+            "usable_cpus": 2,
+            "cpu_model": "Some CPU",
+            "cuda": None,
+            "python": "3.11.7",
+            "torch": "2.15.0",
+            "torchrl": "0.14.1",
+            "tensordict": "0.14.3",
+            "torch_threads": 1,
+        },
+        "elapsed_s": 95.0,
+        "scenarios": {"slice": quiet, "ppo": busy if busy_ppo else quiet},
+        "results": [vars(r) | {"speedup": r.speedup} for r in results],
+    }
+
+
+def test_report_flags_busy_scenarios() -> None:
+    text = report.report(_payload())
+    assert "WARNING: the machine was busy" in text and "ppo: load average 3.0 -> 5.9" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ppo")]
+    assert rows and rows[0].endswith("| **busy** |")
+    assert "| slice | 6M/5M ep50 done online | 7.56 ms | 896 us | 8.4x | yes | quiet |" in text
+    quiet = report.report(_payload(busy_ppo=False))
+    assert "WARNING" not in quiet and "**busy**" not in quiet
+
+
+def test_write_readme_replaces_only_the_block(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"# x\n\nbefore\n\n{report.README_BEGIN}\nold\n{report.README_END}\n\nafter\n"
+    )
+    text = report.report(_payload())
+    report.write_readme(readme, text)
+    assert report.readme_block(readme) == text.strip()
+    assert readme.read_text().startswith("# x\n\nbefore\n") and "after" in readme.read_text()
+    assert "old" not in readme.read_text()
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        report.write_readme(readme, text)
+
+
+def _check_block(block: str) -> None:
+    """The format :func:`report.report` writes: checked so the README cannot drift."""
+    lines = block.splitlines()
+    assert lines[0].startswith("`python -m benchmarks") and "--write-readme" in lines[0]
+    assert re.search(
+        r"torch [\w.+]+, torchrl [\w.]+, tensordict [\w.]+, \d+ torch threads?", lines[0]
+    )
+    table = [line for line in lines if line.startswith("|")]
+    assert tuple(table[:2]) == report.TABLE_HEADER
+    specs = scenario_specs()
+    busy_rows = 0
+    for row in table[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 7, row
+        scenario, _case, torchrl, fast, speedup, correct, machine = cells
+        assert scenario in specs and correct == "yes" and machine in ("quiet", "**busy**"), row
+        busy_rows += machine == "**busy**"
+        t_torchrl, t_fast = report.parse_seconds(torchrl), report.parse_seconds(fast)
+        if t_torchrl is None:
+            assert speedup == "n/a"
+            continue
+        shown = float(speedup.rstrip("x").replace(",", ""))
+        # the times are rounded to 3 significant digits, the speedup to 0.1
+        assert shown == pytest.approx(t_torchrl / t_fast, rel=0.02, abs=0.051), row
+    assert ("WARNING: the machine was busy" in block) == (busy_rows > 0)
+
+
+def test_report_format_check_accepts_what_report_writes() -> None:
+    payload = _payload()
+    payload["command"] += " --write-readme"
+    _check_block(report.report(payload))
+
+
+def test_readme_results_block_is_what_the_benchmark_writes() -> None:
+    block = report.readme_block(REPO / "README.md")
+    assert block, "README results block is empty: run python -m benchmarks --write-readme"
+    _check_block(block)
+
+
+def test_plot_renders(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    payload = _payload()
+    results = [Result(**report._result_fields(r)) for r in payload["results"]]
+    results.append(Result("slice", "slower", 2.0, 1.0, True))
+    results.append(Result("pin", "no baseline", 1.0, None, True))
+    path = tmp_path / "results.png"
+    assert report.plot(
+        results, path, env=payload["environment"], loads=payload["scenarios"], descriptions={}
+    )
+    assert path.stat().st_size > 10_000
+    assert not report.plot([Result("pin", "x", 1.0, None, True)], tmp_path / "none.png")
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def _restore_threads(monkeypatch):
+    monkeypatch.setenv("NUMBA_NUM_THREADS", os.environ.get("NUMBA_NUM_THREADS", "1"))
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_small_run_writes_results_with_load_and_threads(tmp_path: Path, capsys) -> None:
+    argv = ["--only", "slice", "--capacity", "2001", "--stored", "1507", "--episode-len", "50"]
+    argv += ["--end", "done", "--num-slices", "4", "--slice-len", "8", "--repeats", "3"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "machine: load average" in out and "1 torch thread" in out
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["threads"] == 1 and payload["environment"]["torch_threads"] == 1
+    load = payload["scenarios"]["slice"]
+    for key in ("loadavg_before", "loadavg_after", "cpus_before", "cpus_after", "busy"):
+        assert key in load
+    assert [r["case"] for r in payload["results"]] == [
+        "2.001k/1.507k ep50 done static",
+        "2.001k/1.507k ep50 done online",
+    ]
+    assert all(r["correct"] and r["speedup"] > 0 for r in payload["results"])
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("| slice |") == 2
+
+
+def test_harness_import_is_light() -> None:
+    """The harness itself (imported by every scenario) stays free of heavy imports."""
+    source = Path(harness.__file__).read_text() + Path(report.__file__).read_text()
+    top_level = [line for line in source.splitlines() if re.match(r"^(import|from) ", line)]
+    assert not [line for line in top_level if re.search(r"\b(torch|matplotlib|numpy)\b", line)]
