@@ -91,6 +91,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             compile=compile,
             use_gpu=use_gpu,
         )
+        self._fr_static = "static-stop-and-length" in self._cache or self.use_gpu
         # The trajectory index (composed, not copied): kept by a fastreplay.SliceSampler that
         # is told about every write and only ever asked for its index.
         self._fr_slices = SliceSampler(
@@ -102,7 +103,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         )
 
     def _fr_fast(self) -> bool:
-        return not (self.use_gpu or "static-stop-and-length" in self._cache)
+        return not self._fr_static
 
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor) -> None:
