@@ -219,3 +219,20 @@ def test_missing_key_is_a_clear_error() -> None:
     ReplayBuffer(storage=storage, sampler=fast).extend(data)
     with pytest.raises(KeyError, match=r"traj_key='episode_id' is not in the storage"):
         fast.sample(storage, 4)
+
+
+@pytest.mark.parametrize(
+    "keys", [{}, {"truncated_key": None}, {"init_key": None}, {"strict_length": False}]
+)
+def test_flags_and_init_markers_match_torchrl_with_every_key_stored(keys) -> None:
+    data = episodes(90, [7, 2, 11, 5])
+    data["is_init"] = (data["step"] == 0)[:, None]
+    data["next", "terminated"] = data["next", "done"].clone()
+    data["next", "terminated"][::4] = False
+    kw = {"num_slices": 3, "traj_key": "traj", **keys}
+    fast, ref = WOR(**kw), REF(**kw)
+    storage = LazyTensorStorage(61)
+    rb = ReplayBuffer(storage=storage, sampler=fast)
+    rb.extend(data)  # wraps around
+    for s in range(6):
+        _sample_both(fast, ref, storage, 12, seed=s)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict.utils import NestedKey
+from torchrl._utils import _replace_last
 from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerWithoutReplacement
 from torchrl.data.replay_buffers.storages import Storage
 
@@ -194,6 +195,62 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             target_seq_length=target,
             storage=storage,
         )
+
+    def _finalize_index(
+        self,
+        *,
+        index: torch.Tensor,
+        num_slices: int,
+        seq_length: int | torch.Tensor,
+        target_seq_length: int | None,
+        mask_flat: torch.Tensor | None,
+        storage: Storage,
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+        """TorchRL's flags and ``is_init`` markers, gathering only the keys they read.
+
+        TorchRL gathers every stored key of the sampled steps (``storage[index]``) to read
+        two or three of them; the values returned are the same.
+        """
+        if not self._fr_fast() or target_seq_length is not None or mask_flat is not None:
+            return super()._finalize_index(
+                index=index,
+                num_slices=num_slices,
+                seq_length=seq_length,
+                target_seq_length=target_seq_length,
+                mask_flat=mask_flat,
+                storage=storage,
+            )
+        data = storage._storage
+        info: dict[Any, Any] = {}
+        if self.truncated_key is not None:
+            done_key = _replace_last(self.truncated_key, "done")
+            terminated_key = _replace_last(self.truncated_key, "terminated")
+            truncated = torch.zeros((index.shape[0], 1), dtype=torch.bool, device=index.device)
+            if isinstance(seq_length, int):
+                truncated.view(num_slices, -1)[:, -1] = 1
+            else:
+                truncated[seq_length.cumsum(0) - 1] = 1
+        index = index.to(torch.long).unbind(-1)
+        if self.truncated_key is not None:
+            done = data.get(done_key, default=None)
+            terminated = data.get(terminated_key, default=None)
+            info[self.truncated_key] = truncated
+            info[done_key] = truncated.clone() if done is None else done[index] | truncated
+            info[terminated_key] = (
+                torch.zeros_like(truncated) if terminated is None else terminated[index]
+            )
+        existing = None if self.init_key is None else data.get(self.init_key, default=None)
+        if existing is not None:
+            existing = existing[index]
+            marker = torch.zeros_like(existing)
+            if isinstance(seq_length, int):
+                starts = torch.arange(num_slices, device=marker.device) * seq_length
+            else:
+                starts = torch.zeros(num_slices, dtype=torch.long, device=marker.device)
+                starts[1:] = seq_length.to(marker.device).cumsum(0)[:-1]
+            marker[starts] = True
+            info[self.init_key] = marker | existing
+        return index, info
 
     def _fr_next_trajectories(self, storage: Any, n_all: int, num_slices: int) -> torch.Tensor:
         """TorchRL's ``SamplerWithoutReplacement.sample`` over ``n_all`` trajectory ranks."""
