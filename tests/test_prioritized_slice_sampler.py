@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import pickle
+import threading
 
 import pytest
 import torch
@@ -301,3 +302,30 @@ def test_cuda_storage() -> None:
     index, info = sampler.sample(storage, 3 * 20)
     assert_slices_valid(storage[index]["obs"].cpu(), 20)
     assert math.isfinite(float(info["priority_weight"].sum()))
+
+
+def test_concurrent_update_priority_is_never_undone() -> None:
+    # pytorch/rl #2212: TorchRL's sample zeroes then restores the excluded starts' priorities,
+    # so an update made in between is lost. fastreplay's sample writes nothing.
+    rb, sampler, storage = _buffer(201, slice_len=4, end_key=DONE)
+    rb.extend(episodes(200, [9, 14]))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def sample_loop() -> None:
+        try:
+            while not stop.is_set():
+                sampler.sample(storage, 4 * 8)
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=sample_loop)
+    thread.start()
+    try:
+        for i in range(1, 41):
+            sampler.update_priority(torch.arange(200), torch.full((200,), float(i)))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    assert (sampler._trees.raw()[:200] == 40.0).all()
