@@ -324,9 +324,8 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
         seq: int | torch.Tensor = seq_length
         if span_right or not self.strict_length:
             seq = torch.from_numpy(left).clamp_max(seq_length)
-        index = self._tensor_slices_from_startend(seq, starts, storage_length=storage.shape[0])
+        index = _slice_steps(starts, seq, int(storage.shape[0]))
         info: dict[Any, Any] = {"priority_weight": torch.repeat_interleave(weight, seq)}
-        index = index.to(torch.long).unbind(-1)
         if self.truncated_key is not None:
             info.update(self._fr_flags(storage, index, num_slices, seq))
         return index, info
@@ -351,6 +350,25 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
                 torch.zeros_like(truncated) if terminated is None else terminated[index]
             ),
         }
+
+
+def _slice_steps(starts: torch.Tensor, seq: int | torch.Tensor, rows: int) -> tuple:
+    """Every step of the slices from ``starts`` (``[n, ndim]``), ``seq`` steps each.
+
+    TorchRL's ``_tensor_slices_from_startend`` output unbound per dim, without its Python loop
+    over slices when lengths differ. ``O(steps)``.
+    """
+    n = starts.shape[0]
+    if isinstance(seq, int):
+        offset = torch.arange(seq).repeat(n)
+        row = starts[:, 0].repeat_interleave(seq) + offset
+    else:
+        first = torch.cumsum(seq, 0) - seq
+        offset = torch.arange(int(seq.sum())) - first.repeat_interleave(seq)
+        row = starts[:, 0].repeat_interleave(seq) + offset
+    rest = starts[:, 1:].repeat_interleave(seq, 0) if starts.shape[1] > 1 else None
+    row = row % rows
+    return (row,) if rest is None else (row, *rest.unbind(-1))
 
 
 def _init_signature(cls: type) -> inspect.Signature:
