@@ -19,6 +19,7 @@ from torchrl._utils import _replace_last
 from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerWithoutReplacement
 from torchrl.data.replay_buffers.storages import Storage
 
+from fastreplay.samplers.prioritized_slice import _slice_steps
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
 
 __all__ = ["SliceSamplerWithoutReplacement"]
@@ -196,42 +197,57 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             storage=storage,
         )
 
-    def _finalize_index(
+    def _get_index(
         self,
-        *,
-        index: torch.Tensor,
-        num_slices: int,
+        lengths: torch.Tensor,
+        start_idx: torch.Tensor,
+        stop_idx: torch.Tensor,
         seq_length: int | torch.Tensor,
-        target_seq_length: int | None,
-        mask_flat: torch.Tensor | None,
+        num_slices: int,
+        storage_length: int,
+        traj_idx: torch.Tensor | None = None,
+        *,
+        target_seq_length: int | None = None,
         storage: Storage,
     ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        """TorchRL's flags and ``is_init`` markers, gathering only the keys they read.
+        """TorchRL's ``_get_index`` (same random numbers, same outputs), vectorized.
 
-        TorchRL gathers every stored key of the sampled steps (``storage[index]``) to read
-        two or three of them; the values returned are the same.
+        Only the flags' and markers' keys are gathered from the storage, where TorchRL gathers
+        every stored key of the sampled steps (``storage[index]``) to read two or three.
         """
-        if not self._fr_fast() or target_seq_length is not None or mask_flat is not None:
-            return super()._finalize_index(
-                index=index,
-                num_slices=num_slices,
+        if not self._fr_fast() or any(self.span) or target_seq_length is not None:
+            return super()._get_index(
+                lengths=lengths,
+                start_idx=start_idx,
+                stop_idx=stop_idx,
                 seq_length=seq_length,
+                num_slices=num_slices,
+                storage_length=storage_length,
+                traj_idx=traj_idx,
                 target_seq_length=target_seq_length,
-                mask_flat=mask_flat,
                 storage=storage,
             )
+        end_point = lengths[traj_idx] - seq_length + 1
+        draw = torch.rand(num_slices, device=lengths.device, generator=self._rng)
+        starts = start_idx[traj_idx]
+        starts[:, 0] += (draw * end_point).floor().to(start_idx.dtype)
+        index = _slice_steps(starts, seq_length, storage_length)
+        return index, self._fr_info(index, num_slices, seq_length, storage)
+
+    def _fr_info(
+        self, index: tuple, num_slices: int, seq_length: int | torch.Tensor, storage: Storage
+    ) -> dict[Any, Any]:
+        """TorchRL's ``_finalize_index`` info: flags and ``is_init`` markers, same values."""
         data = storage._storage
         info: dict[Any, Any] = {}
         if self.truncated_key is not None:
             done_key = _replace_last(self.truncated_key, "done")
             terminated_key = _replace_last(self.truncated_key, "terminated")
-            truncated = torch.zeros((index.shape[0], 1), dtype=torch.bool, device=index.device)
+            truncated = torch.zeros((index[0].shape[0], 1), dtype=torch.bool)
             if isinstance(seq_length, int):
                 truncated.view(num_slices, -1)[:, -1] = 1
             else:
                 truncated[seq_length.cumsum(0) - 1] = 1
-        index = index.to(torch.long).unbind(-1)
-        if self.truncated_key is not None:
             done = data.get(done_key, default=None)
             terminated = data.get(terminated_key, default=None)
             info[self.truncated_key] = truncated
@@ -250,7 +266,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
                 starts[1:] = seq_length.to(marker.device).cumsum(0)[:-1]
             marker[starts] = True
             info[self.init_key] = marker | existing
-        return index, info
+        return info
 
     def _fr_next_trajectories(self, storage: Any, n_all: int, num_slices: int) -> torch.Tensor:
         """TorchRL's ``SamplerWithoutReplacement.sample`` over ``n_all`` trajectory ranks."""
