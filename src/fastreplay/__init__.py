@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 from fastreplay.ppo import chunked_log_prob
-from fastreplay.samplers import PrioritizedSampler, SliceSampler
+from fastreplay.samplers import (
+    PrioritizedSampler,
+    PrioritizedSliceSampler,
+    SliceSampler,
+    SliceSamplerWithoutReplacement,
+)
 
 __version__ = "0.1.0"
 
@@ -22,4 +27,6 @@ __all__ = [
     "TensorDictReplayBuffer",
     "__version__",
     "chunked_log_prob",
+    "PrioritizedSliceSampler",
+    "SliceSamplerWithoutReplacement",
 ]

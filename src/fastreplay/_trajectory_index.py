@@ -316,3 +316,37 @@ class TrajectoryIndex:
         allrec = np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.int64)
         start, length, col = allrec[:, 0], allrec[:, 1], allrec[:, 2]
         return start, (start + length - 1) % self.rows, length, col
+
+    def locate(self, rows: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Start row and length of the trajectory holding each stored ``(row, column)``.
+
+        A vectorized binary search over each column's trajectories in age order: cost
+        ``O(len(rows) * log(number of trajectories))``, independent of the number of rows.
+        Every ``(row, column)`` must hold data.
+
+        Example:
+            >>> import numpy as np
+            >>> index = TrajectoryIndex(rows=10, columns=1, mode="ids")
+            >>> index.write(0, np.array([[0], [0], [0], [1], [1], [2]]))
+            >>> start, length = index.locate(np.array([1, 4, 5]), np.zeros(3, dtype=np.int64))
+            >>> start.tolist(), length.tolist()
+            ([0, 3, 5], [3, 2, 1])
+        """
+        start = np.empty(rows.shape, dtype=np.int64)
+        length = np.empty(rows.shape, dtype=np.int64)
+        for c in np.unique(columns).tolist() if self.columns > 1 else [0]:
+            mask = columns == c
+            trajs = self.cols[c].trajs
+            oldest = int(trajs.data[trajs.head, 1])
+            offset = (rows[mask] - oldest) % self.rows
+            # Start offsets grow with age: find the last trajectory starting at or before.
+            lo = np.zeros(offset.shape, dtype=np.int64)
+            hi = np.full(offset.shape, trajs.count - 1, dtype=np.int64)
+            for _ in range(int(trajs.count).bit_length()):
+                mid = (lo + hi + 1) >> 1
+                ahead = (trajs.take(mid)[:, 1] - oldest) % self.rows > offset
+                lo = np.where(ahead, lo, mid)
+                hi = np.where(ahead, mid - 1, hi)
+            records = trajs.take(lo)
+            start[mask], length[mask] = records[:, 1], records[:, 2]
+        return start, length

@@ -1,6 +1,13 @@
 """TorchRL sampler subclasses (thin adapters over fastreplay's pure cores)."""
 
 from fastreplay.samplers.prioritized import PrioritizedSampler
+from fastreplay.samplers.prioritized_slice import PrioritizedSliceSampler
 from fastreplay.samplers.slice import SliceSampler
+from fastreplay.samplers.slice_without_replacement import SliceSamplerWithoutReplacement
 
-__all__ = ["PrioritizedSampler", "SliceSampler"]
+__all__ = [
+    "PrioritizedSampler",
+    "SliceSampler",
+    "PrioritizedSliceSampler",
+    "SliceSamplerWithoutReplacement",
+]

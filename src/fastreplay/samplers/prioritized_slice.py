@@ -1,0 +1,381 @@
+"""``PrioritizedSliceSampler``: prioritized slice starts from the trajectory index and the trees.
+
+A thin adapter over fastreplay's two cores: the priority trees of
+:class:`fastreplay.PrioritizedSampler` (inherited) and the incremental trajectory index kept by
+an inner :class:`fastreplay.SliceSampler` (composed). ``sample`` draws slice starts from the
+trees and keeps the draws that are valid starts (rejection sampling), which gives exactly the
+priority distribution restricted to valid starts without writing to any shared state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict.utils import NestedKey
+from torchrl._utils import _replace_last
+from torchrl.data import PrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
+from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
+from torchrl.data.replay_buffers.storages import Storage
+
+from fastreplay.samplers.prioritized import PrioritizedSampler
+from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
+
+__all__ = ["PrioritizedSliceSampler"]
+
+# Rejection sampling draws at most this many candidates per requested slice before falling
+# back to one exact O(stored) draw (only when valid starts hold under ~1/64 of the mass).
+_MAX_DRAWS_PER_SLICE = 64
+
+Locator = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSampler):
+    r"""Drop-in ``torchrl.data.PrioritizedSliceSampler`` whose ``sample`` does not scan the buffer.
+
+    Same arguments and outputs as TorchRL's class (Schaul et al. 2015 on slice starts): a slice
+    starts at item ``i`` with probability proportional to ``(p_i + eps) ** alpha`` among the
+    *valid* starts (those from which a slice of the requested length stays inside the
+    trajectory, as TorchRL defines them, including ``strict_length=False`` and a right
+    ``span``), and every step of the slice carries the weight ``(m_i / m_min) ** -beta`` of its
+    start, ``m_min`` being the smallest mass over all stored items. The differences:
+
+    * ``sample`` costs ``O(batch * log(trajectories) / f)`` where ``f`` is the share of the
+      priority mass on valid starts (close to 1 when episodes are much longer than slices),
+      independent of capacity and of the number of stored items; TorchRL rebuilds the list of
+      invalid starts from the whole storage after every write. Below ``f ~ 1/64`` one draw
+      falls back to an exact ``O(stored)`` pass.
+    * ``sample`` writes nothing shared: TorchRL zeroes and restores sum-tree entries, which
+      races with a concurrent ``update_priority`` (pytorch/rl #2212). It never returns an
+      index outside the stored range (pytorch/rl #2230).
+    * New items get the live in-buffer max priority (``max_priority_within_buffer=True`` by
+      default, ``upper_priority``, ``initial_priority``), as :class:`fastreplay.PrioritizedSampler`.
+    * Writes cost ``O(items written)`` for the trajectory index (plus the trees' ``O(k log
+      capacity)``); writes the sampler was not told about trigger one rebuild from the storage.
+
+    Args and keyword args are TorchRL's (see :class:`torchrl.data.PrioritizedSliceSampler`),
+    plus ``upper_priority`` and ``initial_priority`` (see :class:`fastreplay.PrioritizedSampler`).
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+        >>> from fastreplay import PrioritizedSliceSampler
+        >>> sampler = PrioritizedSliceSampler(
+        ...     max_capacity=60, alpha=1.0, beta=1.0, slice_len=4, traj_key="episode"
+        ... )
+        >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(60), sampler=sampler,
+        ...                             batch_size=12)
+        >>> episode = torch.arange(60) // 20  # three episodes of 20 steps
+        >>> index = rb.extend(TensorDict({"episode": episode, "step": torch.arange(60) % 20},
+        ...                              [60]))
+        >>> rb.update_priority(index, (episode == 1).float())  # only episode 1 has priority
+        >>> batch = rb.sample()
+        >>> batch["episode"].unique().tolist()
+        [1]
+        >>> batch["step"].view(3, 4).diff(dim=1).eq(1).all().item()  # slices of 4 steps
+        True
+    """
+
+    def __init__(
+        self,
+        max_capacity: int,
+        alpha: float,
+        beta: float,
+        eps: float = 1e-8,
+        dtype: torch.dtype = torch.float,
+        reduction: str = "max",
+        *,
+        num_slices: int | None = None,
+        slice_len: int | None = None,
+        end_key: NestedKey | None = None,
+        end_keys: Sequence[NestedKey] | None = None,
+        traj_key: NestedKey | None = None,
+        ends: torch.Tensor | None = None,
+        trajectories: torch.Tensor | None = None,
+        cache_values: bool = False,
+        truncated_key: NestedKey | None = ("next", "truncated"),
+        init_key: NestedKey | None = "is_init",
+        strict_length: bool = True,
+        compile: bool | dict = False,
+        span: bool | int | tuple[bool | int, bool | int] = False,
+        max_priority_within_buffer: bool = True,
+        upper_priority: float = math.inf,
+        initial_priority: float = 1.0,
+    ) -> None:
+        _TorchRLSliceSampler.__init__(
+            self,
+            num_slices=num_slices,
+            slice_len=slice_len,
+            end_key=end_key,
+            end_keys=end_keys,
+            traj_key=traj_key,
+            cache_values=cache_values,
+            truncated_key=truncated_key,
+            init_key=init_key,
+            strict_length=strict_length,
+            ends=ends,
+            trajectories=trajectories,
+            compile=compile,
+            span=span,
+        )
+        PrioritizedSampler.__init__(
+            self,
+            max_capacity,
+            alpha,
+            beta,
+            eps,
+            dtype,
+            reduction,
+            max_priority_within_buffer,
+            upper_priority=upper_priority,
+            initial_priority=initial_priority,
+        )
+        if self.span[0]:
+            warnings.warn(
+                f"Left spanning is disabled for {type(self).__name__} and will be turned off "
+                "(slice starts are drawn by priority, so they cannot precede a trajectory); "
+                "pass span=(False, right) to silence this warning.",
+                stacklevel=2,
+            )
+            self.span = (0, self.span[1])
+        static = "static-stop-and-length" in self._cache
+        # The trajectory index (composed, not copied): kept by a fastreplay.SliceSampler that
+        # is told about every write and only ever asked for its index.
+        self._fr_slices = SliceSampler(
+            num_slices=num_slices,
+            slice_len=slice_len,
+            **({} if static else {"end_key": end_key, "end_keys": end_keys, "traj_key": traj_key}),
+        )
+        self._fr_static: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_slices={self.num_slices}, slice_len={self.slice_len}, "
+            f"end_key={self.end_key}, traj_key={self.traj_key}, "
+            f"truncated_key={self.truncated_key}, strict_length={self.strict_length}, "
+            f"alpha={self._alpha}, beta={self._beta}, eps={self._eps}, "
+            f"upper_priority={self._upper_priority})"
+        )
+
+    # ----------------------------------------------------------------- write notifications
+    def extend(self, index: torch.Tensor | tuple) -> None:
+        """Record the written rows in the trajectory index (``O(items written)``)."""
+        self._fr_slices.extend(index)
+        if self.cache_values:
+            self._cache.pop("preceding_stop_idx", None)
+
+    def add(self, index: int | torch.Tensor) -> None:
+        """Record the written row in the trajectory index."""
+        self._fr_slices.add(index)
+        if self.cache_values:
+            self._cache.pop("preceding_stop_idx", None)
+
+    def _empty(self) -> None:
+        PrioritizedSampler._empty(self)
+        self._fr_slices._empty()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the priorities; the trajectory index is rebuilt at the next sample."""
+        PrioritizedSampler.load_state_dict(self, state_dict)
+        self._fr_slices._empty()
+
+    def loads(self, path: Any) -> None:
+        """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
+        PrioritizedSampler.loads(self, path)
+        self._fr_slices._empty()
+
+    def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
+        """Trajectory boundaries in TorchRL's format, from the index (``O(trajectories)``)."""
+        if "static-stop-and-length" in self._cache:
+            return self._cache["static-stop-and-length"]
+        return self._fr_slices._get_stop_and_length(storage, fallback)
+
+    # ------------------------------------------------------------------ valid starts
+    def _fr_locator(self, storage: Any, seq_length: int, k: int) -> Locator:
+        """``(rows, columns) -> (position in trajectory, trajectory length)`` for stored items."""
+        rows = int(storage.shape[0])
+        if "static-stop-and-length" in self._cache:
+            if self._fr_static is None:  # static boundaries: one O(capacity) table, kept
+                start, _, length = self._cache["static-stop-and-length"]
+                pos = torch.cat([torch.arange(n) for n in length.tolist()])
+                row = (torch.repeat_interleave(start[:, 0], length) + pos) % rows
+                table_pos = torch.zeros(rows, dtype=torch.long)
+                table_len = torch.ones(rows, dtype=torch.long)
+                table_pos[row] = pos
+                table_len[row] = torch.repeat_interleave(length, length)
+                self._fr_static = (table_pos, table_len)
+            table_pos, table_len = (t.numpy() for t in self._fr_static)
+            return lambda r, c: (table_pos[r], table_len[r])
+        index = self._fr_slices._fr_sync(storage)
+        if self.strict_length and not int(index.counts(k + 1).sum()):
+            lengths = index.boundaries()[2]
+            raise SliceSamplerError(
+                f"No trajectory is long enough to start a slice of {seq_length} steps (stored "
+                f"lengths {int(lengths.min())} to {int(lengths.max())}) with "
+                "strict_length=True; sample shorter slices or pass strict_length=False."
+            )
+
+        def locate(r: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            start, length = index.locate(r, c)
+            return (r - start) % rows, length
+
+        return locate
+
+    def _fr_valid(self, pos: np.ndarray, length: np.ndarray, k: int) -> np.ndarray:
+        """Valid slice starts, exactly TorchRL's ``_preceding_stop_idx`` rule.
+
+        More than ``k`` steps left in the trajectory, or (``strict_length=False``) its first step.
+        """
+        valid = length - pos > k
+        if not self.strict_length:
+            valid |= pos == 0
+        return valid
+
+    def _fr_draw(
+        self, n: int, k: int, locate: Locator, columns: int, stored: int, total: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` valid starts (flat slots) drawn by priority, and their steps left.
+
+        Rejection sampling on the trees: each accepted draw follows the priority distribution
+        restricted to valid starts. Reads the trees only.
+        """
+        slots = np.empty(0, dtype=np.int64)
+        left = np.empty(0, dtype=np.int64)
+        drawn, accepted = 0, 0
+        rng = self._rng
+        rand_device = rng.device if rng is not None else self.device
+        while slots.size < n and drawn < _MAX_DRAWS_PER_SLICE * n:
+            want = n - slots.size
+            rate = (accepted + 1) / (drawn + 1)
+            m = min(max(want, math.ceil(1.25 * want / rate)), _MAX_DRAWS_PER_SLICE * n - drawn)
+            draw = torch.rand(m, dtype=torch.float64, device=rand_device, generator=rng)
+            slot = self._trees.search(draw.to(self.device) * total).cpu().numpy()
+            pos, length = locate(slot // columns, slot % columns)
+            ok = self._fr_valid(pos, length, k)
+            drawn, accepted = drawn + m, accepted + int(ok.sum())
+            slots = np.concatenate([slots, slot[ok]])
+            left = np.concatenate([left, (length - pos)[ok]])
+        if slots.size < n:  # valid starts hold a tiny share of the mass: one exact pass
+            slot, steps = self._fr_draw_exact(n - slots.size, k, locate, columns, stored)
+            slots, left = np.concatenate([slots, slot]), np.concatenate([left, steps])
+        return slots[:n], left[:n]
+
+    def _fr_draw_exact(
+        self, n: int, k: int, locate: Locator, columns: int, stored: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` valid starts by priority from the full list of valid starts. ``O(stored)``."""
+        slot = np.arange(stored, dtype=np.int64)
+        pos, length = locate(slot // columns, slot % columns)
+        valid = self._fr_valid(pos, length, k)
+        slot, left = slot[valid], (length - pos)[valid]
+        mass = self._trees.mass(torch.from_numpy(slot).to(self.device)).cpu()
+        cum = torch.cumsum(mass, 0)
+        if not slot.size or not float(cum[-1]) > 0:
+            raise SliceSamplerError(
+                "Cannot sample: no valid slice start has a positive priority mass "
+                f"(eps={self._eps}); raise the priorities of trajectory starts or use eps > 0."
+            )
+        draw = torch.rand(n, dtype=torch.float64, generator=self._rng) * cum[-1]
+        pick = torch.searchsorted(cum, draw, right=True).clamp_max_(slot.size - 1).numpy()
+        return slot[pick], left[pick]
+
+    # ------------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
+        """Draw ``batch_size // seq_length`` slices by start priority. ``O(batch)`` (see above).
+
+        Returns:
+            ``(index, info)`` as TorchRL: ``index`` a tuple of ``storage.ndim`` tensors of
+            ``batch_size`` steps, ``info["priority_weight"]`` one weight per step (its slice
+            start's), plus ``truncated``/``done``/``terminated`` flags under
+            ``truncated_key``'s parent.
+        """
+        self._maybe_init_from_storage(storage)
+        seq_length, num_slices = self._fr_slices._fr_batch(batch_size)
+        if len(storage) == 0:
+            raise SliceSamplerError(
+                "Cannot sample from an empty storage: extend the replay buffer first."
+            )
+        span_right = self.span[1]
+        k = 1 if span_right is True else seq_length - 1 - int(span_right)
+        locate = self._fr_locator(storage, seq_length, k)
+        total, m_min = self._trees.total(), self._trees.min_mass()
+        if not total > 0 or not m_min > 0:
+            PrioritizedSampler.sample(self, storage, 1)  # raises its clear error
+        columns = math.prod(storage.shape[1:]) if storage.ndim > 1 else 1
+        stored = int(storage._len_along_dim0 or 0) * columns
+        slot, left = self._fr_draw(num_slices, k, locate, columns, stored, total)
+        slot_t = torch.from_numpy(slot)
+        weight = torch.pow(self._trees.mass(slot_t.to(self.device)).cpu() / m_min, -self._beta)
+        weight = weight.to(self.dtype)
+        row = slot_t // columns
+        if storage.ndim > 1:
+            starts = torch.cat(
+                [row[:, None], SliceSampler._fr_coords(storage, slot_t % columns)], 1
+            )
+        else:
+            starts = row[:, None]
+        seq: int | torch.Tensor = seq_length
+        if span_right or not self.strict_length:
+            seq = torch.from_numpy(left).clamp_max(seq_length)
+        index = _slice_steps(starts, seq, int(storage.shape[0]))
+        info: dict[Any, Any] = {"priority_weight": torch.repeat_interleave(weight, seq)}
+        if self.truncated_key is not None:
+            info.update(self._fr_flags(storage, index, num_slices, seq))
+        return index, info
+
+    def _fr_flags(self, storage: Any, index: tuple, num_slices: int, seq: Any) -> dict:
+        """TorchRL's truncated/done/terminated flags, reading only those two keys."""
+        truncated_key = self.truncated_key
+        done_key = _replace_last(truncated_key, "done")
+        terminated_key = _replace_last(truncated_key, "terminated")
+        truncated = torch.zeros((index[0].shape[0], 1), dtype=torch.bool)
+        if isinstance(seq, int):
+            truncated.view(num_slices, -1)[:, -1] = True
+        else:
+            truncated[seq.cumsum(0) - 1] = True
+        data = storage._storage
+        done = data.get(done_key, default=None)
+        terminated = data.get(terminated_key, default=None)
+        return {
+            truncated_key: truncated,
+            done_key: truncated.clone() if done is None else done[index] | truncated,
+            terminated_key: (
+                torch.zeros_like(truncated) if terminated is None else terminated[index]
+            ),
+        }
+
+
+def _slice_steps(starts: torch.Tensor, seq: int | torch.Tensor, rows: int) -> tuple:
+    """Every step of the slices from ``starts`` (``[n, ndim]``), ``seq`` steps each.
+
+    TorchRL's ``_tensor_slices_from_startend`` output unbound per dim, without its Python loop
+    over slices when lengths differ. ``O(steps)``.
+    """
+    n = starts.shape[0]
+    if isinstance(seq, int):
+        offset = torch.arange(seq).repeat(n)
+        row = starts[:, 0].repeat_interleave(seq) + offset
+    else:
+        first = torch.cumsum(seq, 0) - seq
+        offset = torch.arange(int(seq.sum())) - first.repeat_interleave(seq)
+        row = starts[:, 0].repeat_interleave(seq) + offset
+    rest = starts[:, 1:].repeat_interleave(seq, 0) if starts.shape[1] > 1 else None
+    row = row % rows
+    return (row,) if rest is None else (row, *rest.unbind(-1))
+
+
+def _init_signature(cls: type) -> inspect.Signature:
+    """``cls.__init__``'s signature without ``self``."""
+    signature = inspect.signature(cls.__init__)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+# TorchRL's sampler metaclass hides ``__init__`` behind ``__call__(*args, **kwargs)``.
+PrioritizedSliceSampler.__signature__ = _init_signature(PrioritizedSliceSampler)
