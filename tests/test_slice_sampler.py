@@ -279,14 +279,16 @@ def test_wrong_dtype_or_shape_of_done_flags_is_a_clear_error() -> None:
 
 # --------------------------------------------------------------------- drop-in conformance fixes
 def test_replacement_false_returns_the_without_replacement_sampler() -> None:
-    from torchrl.data import SliceSamplerWithoutReplacement
-
+    from fastreplay import SliceSamplerWithoutReplacement
     from fastreplay.samplers.slice import without_replacement_class
 
     sampler = SliceSampler(replacement=False, num_slices=2, end_key=DONE, drop_last=True)
     assert type(sampler) is without_replacement_class() is SliceSamplerWithoutReplacement
     assert sampler.drop_last and sampler.num_slices == 2 and sampler.end_key == DONE
     assert type(SliceSampler(replacement=True, num_slices=2)) is SliceSampler
+    # the without-replacement class takes replacement=False as a no-op, as TorchRL's does
+    same = SliceSamplerWithoutReplacement(replacement=False, num_slices=2, end_key=DONE)
+    assert type(same) is SliceSamplerWithoutReplacement and same.num_slices == 2
 
 
 def test_signature_and_help_show_the_real_arguments() -> None:

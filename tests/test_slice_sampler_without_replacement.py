@@ -107,8 +107,8 @@ def test_online_writes_read_only_the_new_rows(monkeypatch) -> None:
     monkeypatch.setattr(
         SliceSampler,
         "_fr_read",
-        lambda self, leaves, first, n, rows: (
-            read.append(n) or original(self, leaves, first, n, rows)
+        staticmethod(
+            lambda leaves, first, n, *rest: read.append(n) or original(leaves, first, n, *rest)
         ),
     )
     for n in (7, 30, 120):  # the last one wraps around the whole storage

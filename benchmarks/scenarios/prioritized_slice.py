@@ -25,7 +25,15 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampler
 
-from benchmarks.harness import Result, fmt_count, parse_count, progress
+from benchmarks.harness import (
+    Result,
+    count_text,
+    counts_text,
+    fmt_count,
+    parse_count,
+    positive_int,
+    progress,
+)
 from fastreplay import PrioritizedSliceSampler
 
 NAME = "prioritized_slice"
@@ -39,21 +47,28 @@ _ALPHA, _BETA = 0.7, 0.5
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--pslice-stored",
+        type=counts_text,
         default="1M",
-        help="items stored, comma-separated (default 1M; e.g. 1M,5M,50M)",
+        help="items stored, comma-separated (e.g. 1M,5M,50M)",
     )
     group.add_argument(
         "--pslice-capacity",
+        type=count_text,
         default=None,
         help="storage capacity (default: 1.2x the largest --pslice-stored)",
     )
-    group.add_argument("--pslice-episode-len", type=int, default=1000)
-    group.add_argument("--pslice-num-slices", type=int, default=256)
-    group.add_argument("--pslice-slice-len", type=int, default=32)
+    group.add_argument(
+        "--pslice-episode-len", type=positive_int, default=1000, help="steps per episode"
+    )
+    group.add_argument(
+        "--pslice-num-slices", type=positive_int, default=256, help="slices per sampled batch"
+    )
+    group.add_argument("--pslice-slice-len", type=positive_int, default=32, help="steps per slice")
     group.add_argument(
         "--pslice-skip-torchrl-online-above",
+        type=count_text,
         default="60M",
-        help="time TorchRL's online step only up to this many stored items (default 60M)",
+        help="time TorchRL's online step only up to this many stored items",
     )
 
 

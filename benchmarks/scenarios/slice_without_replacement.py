@@ -22,7 +22,15 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
 
-from benchmarks.harness import Result, fmt_count, parse_count, progress
+from benchmarks.harness import (
+    Result,
+    count_text,
+    counts_text,
+    fmt_count,
+    parse_count,
+    positive_int,
+    progress,
+)
 from benchmarks.scenarios.prioritized_slice import interleaved_medians
 from fastreplay import SliceSamplerWithoutReplacement
 
@@ -36,17 +44,23 @@ _DONE = ("next", "done")
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--swor-stored",
+        type=counts_text,
         default="1M",
-        help="items stored, comma-separated (default 1M; e.g. 1M,5M,50M)",
+        help="items stored, comma-separated (e.g. 1M,5M,50M)",
     )
     group.add_argument(
         "--swor-capacity",
+        type=count_text,
         default=None,
         help="storage capacity (default: 1.2x the largest --swor-stored)",
     )
-    group.add_argument("--swor-episode-len", type=int, default=1000)
-    group.add_argument("--swor-num-slices", type=int, default=256)
-    group.add_argument("--swor-slice-len", type=int, default=32)
+    group.add_argument(
+        "--swor-episode-len", type=positive_int, default=1000, help="steps per episode"
+    )
+    group.add_argument(
+        "--swor-num-slices", type=positive_int, default=256, help="slices per sampled batch"
+    )
+    group.add_argument("--swor-slice-len", type=positive_int, default=32, help="steps per slice")
 
 
 def _done(steps: torch.Tensor, episode_len: int) -> TensorDict:

@@ -171,6 +171,7 @@ def test_checkpoint_into_fresh_buffer_cursor_boundary(impl: Impl, how: str, tmp_
 def test_replacement_false_builds_the_without_replacement_sampler(impl: Impl) -> None:
     sampler = impl.cls("SliceSampler")(replacement=False, num_slices=4, end_key=DONE)
     assert isinstance(sampler, trl.SliceSamplerWithoutReplacement)
+    assert isinstance(sampler, impl.cls("SliceSamplerWithoutReplacement"))
     storage = trl.LazyTensorStorage(40)
     trl.ReplayBuffer(storage=storage, sampler=sampler).extend(episodes(40, 10))
     index, _ = sampler.sample(storage, 16)

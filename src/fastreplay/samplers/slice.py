@@ -68,9 +68,9 @@ def without_replacement_class() -> type:
     (a no-op), as TorchRL's classes do.
 
     Returns:
-        TorchRL's ``SliceSamplerWithoutReplacement``.
+        ``fastreplay.SliceSamplerWithoutReplacement``.
     """
-    from torchrl.data import SliceSamplerWithoutReplacement
+    from fastreplay.samplers.slice_without_replacement import SliceSamplerWithoutReplacement
 
     return SliceSamplerWithoutReplacement
 

@@ -17,6 +17,7 @@ import torch
 from tensordict.utils import NestedKey
 from torchrl._utils import _replace_last
 from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerWithoutReplacement
+from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay.samplers.prioritized_slice import _slice_steps
@@ -290,3 +291,7 @@ def _init_signature(cls: type) -> inspect.Signature:
 
 # TorchRL's sampler metaclass hides ``__init__`` behind ``__call__(*args, **kwargs)``.
 SliceSamplerWithoutReplacement.__signature__ = _init_signature(SliceSamplerWithoutReplacement)
+
+# TorchRL's sampler metaclass reads its dispatch table to treat ``replacement=False`` on a
+# without-replacement sampler as a no-op; ``SliceSampler(replacement=False)`` builds this class.
+_REPLACEMENT_DISPATCH[SliceSampler] = SliceSamplerWithoutReplacement
