@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import runpy
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,11 @@ def test_prioritized_buffer_in_ray_tracks_the_live_max() -> None:
         assert_valid(rb.sample(), None)
     finally:
         rb.close()
+
+
+def test_ray_apex_example_runs() -> None:
+    """``docs/examples/ray_apex.py`` (linked from docs/scale_out.md) runs end to end."""
+    example = runpy.run_path(str(REPO / "docs" / "examples" / "ray_apex.py"))
+    out = example["main"](num_actors=2, episodes=20, steps=20)
+    assert out["written"] == out["stored"] == 2 * 20 * 25
+    assert out["live_max"] == out["max_stored_priority"] <= 25

@@ -367,3 +367,16 @@ def test_initialized_tensor_storage_can_be_shared_later() -> None:
     rb = fastreplay.TensorDictReplayBuffer(storage=LazyTensorStorage(7), batch_size=3)
     rb.extend(TensorDict(obs=torch.arange(5), batch_size=[5]))
     assert rb.share().shared is True
+
+
+def test_pickled_shared_buffer_owns_its_counts() -> None:
+    """A copy that is not a process start (checkpoint, Ray) gets its own write count."""
+    import pickle
+
+    rb = _recording_rb()
+    rb.extend(episode(0, 0))
+    copy = pickle.loads(pickle.dumps(rb))
+    assert copy._fr_writes.value == rb._fr_writes.value == 1
+    copy.extend(episode(0, 1))
+    assert (copy._fr_writes.value, rb._fr_writes.value) == (2, 1)
+    assert_valid(copy.sample(), NUM_SLICES)

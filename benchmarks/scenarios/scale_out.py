@@ -50,6 +50,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--scale-batch", type=int, default=256, help="prioritized batch size")
     group.add_argument("--scale-slices", default="256x32", help="slice batch: slices x length")
     group.add_argument(
+        "--scale-write-rate",
+        type=parse_count,
+        default=0,
+        help="items/s per writer (default 0: as fast as the writer can)",
+    )
+    group.add_argument(
         "--scale-ray", action="store_true", help="also run the workload through RayReplayBuffer"
     )
 
@@ -91,13 +97,17 @@ def _build(module: Any, kind: str, capacity: int, args: argparse.Namespace) -> A
     )
 
 
-def _writer_loop(rb: Any, writer: int, episode: int, stop: Any, written: Any) -> None:
+def _writer_loop(
+    rb: Any, writer: int, episode: int, stop: Any, written: Any, rate: int = 0
+) -> None:
     torch.set_num_threads(1)
-    step = 0
+    step, start = 0, time.perf_counter()
     while not stop.is_set():
         rb.extend(_episodes(writer, step, episode, episode))
         step += episode
         written.value = step
+        if rate:  # paced: both libraries then get the same write load
+            time.sleep(max(0.0, start + step / rate - time.perf_counter()))
 
 
 def _learner_step(rb: Any, kind: str) -> TensorDict:
@@ -133,7 +143,10 @@ def _run_case(lib: str, kind: str, writers: int, args: argparse.Namespace) -> di
     stop = ctx.Event()
     counts = [ctx.Value("q", 0) for _ in range(writers)]
     procs = [
-        ctx.Process(target=_writer_loop, args=(rb, w, args.scale_episode, stop, counts[w]))
+        ctx.Process(
+            target=_writer_loop,
+            args=(rb, w, args.scale_episode, stop, counts[w], args.scale_write_rate),
+        )
         for w in range(writers)
     ]
     t0 = time.perf_counter()
@@ -193,6 +206,8 @@ def run(args: argparse.Namespace) -> list[Result]:
             correct = all(o["invalid_samples"] == 0 and o["writers_ok"] for o in out.values())
             size = f"{fmt_count(capacity)}" + (f"/{fmt_count(stored)}" if stored < capacity else "")
             case = f"{kind} {writers} writer{'s' if writers > 1 else ''}, {size}"
+            if args.scale_write_rate:
+                case += f", {fmt_count(args.scale_write_rate)} items/s each"
             extra = {f"{lib}_{key}": value for lib, o in out.items() for key, value in o.items()}
             results.append(
                 Result(

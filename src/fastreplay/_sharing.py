@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
+from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
 
@@ -127,6 +128,9 @@ class SharedBufferChecks:
             and storage is not None
             and storage.ndim == 1
             and not self._is_consuming()  # type: ignore[attr-defined]
+            # Samplers whose extend does nothing (RandomSampler, the writers' side of
+            # sync=False) need no reports: keep TorchRL's locking exactly.
+            and type(self._sampler).extend is not Sampler.extend
         )
 
     def _fr_catch_up(self) -> None:
