@@ -369,14 +369,26 @@ def test_initialized_tensor_storage_can_be_shared_later() -> None:
     assert rb.share().shared is True
 
 
-def test_pickled_shared_buffer_owns_its_counts() -> None:
-    """A copy that is not a process start (checkpoint, Ray) gets its own write count."""
+def test_pickled_copy_owns_its_write_count() -> None:
+    """A copy that is not a process start (checkpoint, Ray) gets its own write count.
+
+    TorchRL refuses to pickle a buffer while it is shared (its write lock); once unshared, it
+    pickles, and the copy must not keep counting into the original's shared value.
+    """
     import pickle
 
-    rb = _recording_rb()
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY),  # shared_init storages hold a lock: not picklable
+        sampler=fastreplay.SliceSampler(num_slices=NUM_SLICES, traj_key="traj"),
+        batch_size=BATCH,
+    )
     rb.extend(episode(0, 0))
+    rb.share()
+    rb.extend(episode(0, 2))
+    rb.share(False)
     copy = pickle.loads(pickle.dumps(rb))
     assert copy._fr_writes.value == rb._fr_writes.value == 1
+    copy.share(True)
     copy.extend(episode(0, 1))
     assert (copy._fr_writes.value, rb._fr_writes.value) == (2, 1)
     assert_valid(copy.sample(), NUM_SLICES)
