@@ -81,11 +81,13 @@ def check_shareable(buffer: Any) -> None:
 class SharedBufferChecks:
     """Mixin for TorchRL buffers shared with writer processes: checks, and remote writes reported.
 
-    Placed before the TorchRL buffer in the bases. Two things, both only while ``shared``:
+    Placed before the TorchRL buffer in the bases. Three things, all only while ``shared``:
 
     * :func:`check_shareable` runs once the storage and sampler exist (``_init``; TorchRL's
       ``__init__`` calls ``share()`` before they do) and on every later ``share()``; a failing
       ``share()`` leaves ``shared`` unchanged.
+    * ``sample`` holds the shared write lock throughout (TorchRL's ``sync=False`` catch-up
+      reads ``write_count`` before taking it).
     * Writes made by other processes are reported to this process's sampler (``extend`` with
       the rows written, one call per write) at the start of every locked section of this
       process, under the shared write lock. A sampler that keeps an index from reported writes
@@ -155,7 +157,8 @@ class SharedBufferChecks:
         """Hold the shared write lock, report remote writes, run the TorchRL body lock-free."""
         lock = self._write_lock
         with self._replay_lock, lock:  # type: ignore[attr-defined]
-            self._fr_catch_up()
+            if self._fr_tracks():
+                self._fr_catch_up()
             self._write_lock = contextlib.nullcontext()
             try:
                 yield
@@ -187,7 +190,11 @@ class SharedBufferChecks:
         return index
 
     def _sample(self, batch_size: int) -> Any:
-        if not self._fr_tracks():
+        # Shared: the whole TorchRL ``_sample`` runs under the write lock. TorchRL reads
+        # ``write_count`` for the ``sync=False`` catch-up before taking it, and a writer bumps
+        # ``write_count`` before the storage length: fastreplay's sampler would then be asked
+        # to prioritise rows the storage does not count yet (and rightly refuse).
+        if not (getattr(self, "shared", False) and getattr(self, "_initialized", False)):
             return super()._sample(batch_size)  # type: ignore[misc]
         with self._fr_locked():
             return super()._sample(batch_size)  # type: ignore[misc]
