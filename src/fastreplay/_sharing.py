@@ -58,8 +58,8 @@ def check_shareable(buffer: Any) -> None:
         raise ValueError(
             f"{name}(shared=True): storage={type(storage).__name__}(shared_init=False) is not "
             "initialized yet, so each process would allocate its own copy; pass "
-            f"storage={type(storage).__name__}(max_size, shared_init=True), or extend the "
-            "buffer once before sharing it."
+            f"storage={type(storage).__name__}(max_size, shared_init=True) (or, for processes "
+            "started with 'spawn', extend the buffer once before sharing it)."
         )
     sampler = buffer._sampler
     if isinstance(sampler, _TorchRLPrioritizedSampler):
@@ -109,6 +109,8 @@ class SharedBufferChecks:
         out = super().share(shared)  # type: ignore[misc]
         if shared and self._fr_writes is None:
             self._fr_writes = multiprocessing.Value("q", 0)
+            writer = getattr(self, "_writer", None)  # earlier writes were reported locally
+            self._fr_seen = (int(getattr(writer, "_write_count", 0) or 0), 0)
         return out
 
     def _init(self) -> None:
