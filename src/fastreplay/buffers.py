@@ -31,6 +31,7 @@ from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
+from fastreplay._sharing import SharedBufferChecks
 
 __all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
 
@@ -250,7 +251,7 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     return torch.as_tensor(value, device=device)
 
 
-class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
+class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuffer):
     """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
@@ -271,11 +272,16 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
             exist on this machine. Defaults to ``None`` (the storage's device).
         **kwargs: Everything :class:`torchrl.data.TensorDictReplayBuffer` accepts.
 
+    With ``shared=True`` (or ``share()``, which multi-process collectors call), the buffer is
+    checked to be shareable, and writes made by other processes are reported to this process's
+    sampler (see ``docs/scale_out.md``).
+
     Raises:
         TypeError: ``device`` is not a device-like value.
         ValueError, RuntimeError: ``pin_memory`` has no truth value (an array or tensor of
             several elements); the class is the one ``bool(pin_memory)`` raises.
-        ValueError: ``device`` is unknown to torch or absent from this machine.
+        ValueError: ``device`` is unknown to torch or absent from this machine; ``shared=True``
+            with a storage that other processes cannot write into.
 
     Example:
         >>> import torch
@@ -296,7 +302,9 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
         super().__init__(pin_memory=False, **kwargs)
 
 
-class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedBuffer):
+class TensorDictPrioritizedReplayBuffer(
+    _PinnedSampleMixin, SharedBufferChecks, _TorchRLPrioritizedBuffer
+):
     """TorchRL's ``TensorDictPrioritizedReplayBuffer`` with fastreplay's sampler, pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`,
@@ -328,7 +336,9 @@ class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedB
         ValueError, RuntimeError: ``pin_memory`` has no truth value (an array or tensor of
             several elements); the class is the one ``bool(pin_memory)`` raises.
         ValueError: ``device`` is unknown to torch or absent from this machine; bad
-            ``alpha``/``beta``/``eps`` (from :class:`fastreplay.PrioritizedSampler`).
+            ``alpha``/``beta``/``eps`` (from :class:`fastreplay.PrioritizedSampler`);
+            ``shared=True`` with ``sync=True`` (writes from other processes would never get a
+            priority here: pass ``sync=False``) or with an unshareable storage.
 
     Example:
         >>> import torch
