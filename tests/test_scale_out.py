@@ -48,9 +48,9 @@ class Setup:
     needs_ext: bool = False
 
 
-def _slice_rb(module: Any) -> Callable[[Any], Any]:
+def _slice_rb(module: Any, name: str = "SliceSampler", **kwargs: Any) -> Callable[[Any], Any]:
     def build(storage: Any) -> Any:
-        sampler = module.SliceSampler(num_slices=NUM_SLICES, traj_key="traj")
+        sampler = getattr(module, name)(num_slices=NUM_SLICES, traj_key="traj", **kwargs)
         return module.TensorDictReplayBuffer(
             storage=storage, sampler=sampler, batch_size=BATCH, shared=True
         )
@@ -75,6 +75,11 @@ SETUPS = [
     Setup("fastreplay.SliceSampler", _slice_rb(fastreplay), slices=NUM_SLICES),
     Setup("fastreplay.TensorDictPrioritizedReplayBuffer", _per_rb(fastreplay), prioritized=True),
     Setup("fastreplay.TensorDictReplayBuffer", _uniform_rb),
+    Setup(
+        "fastreplay.SliceSamplerWithoutReplacement",
+        _slice_rb(fastreplay, "SliceSamplerWithoutReplacement"),
+        slices=NUM_SLICES,
+    ),
     # TorchRL's own classes in the same topology: the behaviour fastreplay must keep.
     Setup("torchrl.SliceSampler", _slice_rb(trl), slices=NUM_SLICES),
     Setup(
@@ -122,8 +127,8 @@ def assert_valid(sample: TensorDict, slices: int | None) -> None:
     assert sample["written"].all(), "sampled a row no process wrote"
     obs, traj = sample["obs"].reshape(-1), sample["traj"].reshape(-1)
     assert torch.equal(obs // 10_000, traj) and bool((obs % 10_000 < EPISODE).all())
-    if slices:
-        rows = obs.view(slices, -1)
+    if slices:  # whole slices of BATCH // slices steps (an epoch's last batch may be short)
+        rows = obs.view(-1, BATCH // slices)
         assert bool((rows[:, 1:] - rows[:, :-1] == 1).all()), rows
 
 

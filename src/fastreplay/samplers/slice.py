@@ -292,15 +292,23 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
             return False
         if not isinstance(storage, TensorStorage):
             return False  # ListStorage, LazyStackStorage, ...: TorchRL's path and errors
+        self._fr_attach(storage)
+        data = getattr(storage, "_storage", None)
+        return data is None or is_tensor_collection(data)
+
+    @staticmethod
+    def _fr_attach(storage: Any) -> None:
+        """Attach to a shared memmap that other processes initialised, as ``storage.get()`` does.
+
+        ``LazyMemmapStorage(shared_init=True)`` filled by worker processes has no ``_storage``
+        in this process until it attaches. O(1) once attached.
+        """
         if (
             not getattr(storage, "initialized", True)
             and getattr(storage, "shared_init", False)
             and len(storage)
         ):
-            # Other processes initialised the shared memmap: attach to it as storage.get() does.
             storage._wait_for_init()
-        data = getattr(storage, "_storage", None)
-        return data is None or is_tensor_collection(data)
 
     def _fr_signal_keys(self, storage: Any) -> tuple[str, tuple]:
         """(mode, keys) resolved exactly as TorchRL resolves them, fallbacks included.
@@ -405,6 +413,7 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
             and storage._mutation_revision == self._fr_revision
         ):
             return index  # nothing written since the last sync: O(1)
+        self._fr_attach(storage)
         mode, keys = self._fr_signal_keys(storage)
         leaves = self._fr_leaves(storage, mode, keys)
         rows = int(storage._storage.shape[0])

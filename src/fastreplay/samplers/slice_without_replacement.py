@@ -105,8 +105,9 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             traj_key=traj_key,
         )
 
-    def _fr_fast(self) -> bool:
-        return not self._fr_static
+    def _fr_fast(self, storage: Any) -> bool:
+        """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
+        return not self._fr_static and self._fr_slices._fr_fast(storage)
 
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor) -> None:
@@ -135,7 +136,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
         """Trajectory boundaries in TorchRL's format, from the index (``O(trajectories)``)."""
-        if not self._fr_fast():
+        if not self._fr_fast(storage):
             return super()._get_stop_and_length(storage, fallback)
         return self._fr_slices._get_stop_and_length(storage, fallback)
 
@@ -146,7 +147,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         Plus ``O(trajectories)`` whenever a new permutation is drawn (end of an epoch, or a
         change in the number of stored trajectories), as TorchRL.
         """
-        if not self._fr_fast():
+        if not self._fr_fast(storage):
             return super().sample(storage, batch_size)
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
@@ -216,7 +217,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         Only the flags' and markers' keys are gathered from the storage, where TorchRL gathers
         every stored key of the sampled steps (``storage[index]``) to read two or three.
         """
-        if not self._fr_fast() or any(self.span) or target_seq_length is not None:
+        if not self._fr_fast(storage) or any(self.span) or target_seq_length is not None:
             return super()._get_index(
                 lengths=lengths,
                 start_idx=start_idx,
