@@ -1,14 +1,36 @@
-"""PrioritizedSampler: live-max maintenance, online PER step, dumps/loads (vs TorchRL).
+"""PrioritizedSampler: each PER call, the online step, bulk writes, live max, dumps+loads.
 
-Needs TorchRL's compiled extension for the TorchRL side; without it only fastreplay is timed.
+Every case runs fastreplay once per tree backend present (``numba`` when installed, ``torch``
+always) against TorchRL's compiled trees, in one process, calls interleaved. Needs TorchRL's
+compiled extension for the TorchRL side; without it only fastreplay is timed.
+
+Cases per capacity (``--per-capacity``, 1M and 10M by default; 100M on request):
+
+* ``extend 16``: ``TensorDictReplayBuffer.extend`` of 16 items (new items get the default
+  priority through ``mark_update``);
+* ``sample(256)``: ``sampler.sample(storage, 256)``;
+* ``update_priority(256)``: ``sampler.update_priority`` of 256 random slots;
+* ``online PER step``: extend 16, sample 256 through the buffer, update those 256 priorities;
+* ``update_priority(all)``: one call writing every slot in random order, with its peak extra
+  resident memory (``VmHWM`` after a reset, minus ``VmRSS`` before);
+* ``lower the max item``: re-prioritise the max item below the rest (TorchRL with
+  ``max_priority_within_buffer=True``, which rescans its tree).
+
+Correct: every backend holds exactly the same raw priorities as the others after the same
+calls, masses agree, the total mass matches TorchRL's float32 tree, the live max is the
+brute-force max, and sampled weights are finite.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import shutil
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,9 +40,10 @@ from torchrl.data import PrioritizedSampler as TorchRLSampler
 
 from benchmarks.harness import Result, fmt_count, median_seconds, parse_counts, progress
 from fastreplay import PrioritizedSampler
+from fastreplay._segment_tree import available_backends
 
 NAME = "prioritized"
-DESCRIPTION = "PrioritizedSampler: lower the max item, online PER step, dumps+loads"
+DESCRIPTION = "PrioritizedSampler: each PER call and the online step per backend, bulk, dumps"
 ALPHA, BETA = 0.7, 0.5
 CHUNK = 1_000_000
 
@@ -28,13 +51,14 @@ CHUNK = 1_000_000
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--per-capacity",
-        default="1M",
-        help="capacities for 'lower the max' and the online PER step (e.g. 1M,10M,100M)",
+        default="1M,10M",
+        help="capacities for the per-call cases, the online step, the bulk update and "
+        "'lower the max' (e.g. 1M,10M,100M)",
     )
     group.add_argument(
-        "--per-online-max",
-        default="10M",
-        help="skip the online PER step above this capacity (it builds a storage)",
+        "--per-backends",
+        default=",".join(available_backends()),
+        help="fastreplay tree backends to time (default: every one present here)",
     )
     group.add_argument("--per-dumps-capacity", default="1M", help="capacities for dumps+loads")
 
@@ -55,19 +79,185 @@ def _fill(sampler, capacity: int, priority: torch.Tensor) -> None:
             advance(stop - start)
 
 
-def _lower_max(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each ``fn``, calls alternating between them (fair on a busy machine)."""
+    for fn in fns.values():
+        fn()
+    gc.collect()
+    gc.disable()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    try:
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_extra(fn: Callable[[], object]) -> tuple[float, int]:
+    """Seconds and peak extra resident bytes of one ``fn()`` call (Linux; 0 bytes elsewhere)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")  # reset the peak resident set size (VmHWM) to the current one
+    except OSError:
+        pass
+    before = _status("VmRSS")
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    return seconds, max(_status("VmHWM") - before, 0)
+
+
+def _samplers(capacity: int, backends: list[str], torchrl_ok: bool, **kwargs) -> dict:
+    samplers = {b: PrioritizedSampler(capacity, ALPHA, BETA, backend=b) for b in backends}
+    if torchrl_ok:  # TorchRL's default configuration, compiled C++ trees
+        samplers["torchrl"] = TorchRLSampler(capacity, ALPHA, BETA, **kwargs)
+    return samplers
+
+
+def _results(case: str, times: dict[str, float], correct: bool, params: dict, **extra) -> list:
+    return [
+        Result(
+            NAME,
+            f"{case} [{name}]",
+            seconds,
+            times.get("torchrl"),
+            correct,
+            params={**params, "backend": name},
+            extra={key: value.get(name) for key, value in extra.items()},
+        )
+        for name, seconds in times.items()
+        if name != "torchrl"
+    ]
+
+
+def _calls(capacity: int, backends: list[str], repeats: int, torchrl_ok: bool) -> list[Result]:
+    """Extend 16, sample(256), update_priority(256) and the whole online step, per backend."""
+    gen = torch.Generator().manual_seed(capacity + 1)
+    samplers = _samplers(capacity, backends, torchrl_ok)
+    errors = torch.rand(capacity, generator=gen) + 0.05
+    buffers = {}
+    for name, sampler in samplers.items():
+        rb = TensorDictReplayBuffer(
+            storage=LazyTensorStorage(capacity), sampler=sampler, priority_key="td_error"
+        )
+        with progress(capacity, f"fill {name}") as advance:
+            for start in range(0, capacity, CHUNK):
+                stop = min(start + CHUNK, capacity)
+                obs = torch.arange(start, stop, dtype=torch.float32)
+                rb.extend(TensorDict({"obs": obs, "td_error": errors[start:stop]}, [stop - start]))
+                advance(stop - start)
+        buffers[name] = rb
+    n = 3 * repeats
+    new = TensorDict({"obs": torch.zeros(16)}, [16])
+    updates = [
+        (torch.randint(capacity, (256,), generator=gen), torch.rand(256, generator=gen) + 0.05)
+        for _ in range(n + 1)
+    ]
+    params = {"capacity": capacity, "alpha": ALPHA, "beta": BETA}
+    results = []
+
+    # identical calls on every side: the leaves must stay identical across backends
+    ext = _interleaved({k: (lambda rb=rb: rb.extend(new.clone())) for k, rb in buffers.items()}, n)
+    smp = _interleaved(
+        {
+            k: (lambda s=s, rb=rb: s.sample(rb.storage, 256))
+            for k, (s, rb) in _pairs(samplers, buffers)
+        },
+        n,
+    )
+    it = {k: iter(updates) for k in samplers}
+    upd = _interleaved(
+        {k: (lambda s=s, k=k: s.update_priority(*next(it[k]))) for k, s in samplers.items()}, n
+    )
+    correct = _consistent(samplers, capacity)
+
+    def step(rb: TensorDictReplayBuffer) -> None:
+        rb.extend(new.clone())
+        batch = rb.sample(256)
+        rb.update_priority(batch["index"], batch["obs"].abs().add(0.1))
+
+    whole = _interleaved({k: (lambda rb=rb: step(rb)) for k, rb in buffers.items()}, n)
+    for name in backends:
+        ours = samplers[name]
+        correct &= ours.default_priority == float(ours._trees.raw().max())
+        batch = buffers[name].sample(256)
+        correct &= bool(torch.isfinite(batch["priority_weight"]).all())
+    label = fmt_count(capacity)
+    results += _results(f"extend 16 (buffer), {label}", ext, correct, params)
+    results += _results(f"sample(256), {label}", smp, correct, params)
+    results += _results(f"update_priority(256), {label}", upd, correct, params)
+    results += _results(
+        f"online PER step (extend 16, sample 256, update 256), {label}", whole, correct, params
+    )
+    del buffers, samplers
+    return results
+
+
+def _pairs(samplers: dict, buffers: dict):
+    return ((k, (s, buffers[k])) for k, s in samplers.items())
+
+
+def _consistent(samplers: dict, capacity: int) -> bool:
+    """Same raw leaves on every backend, close masses, total close to TorchRL's."""
+    ours = [s for k, s in samplers.items() if k != "torchrl"]
+    first = ours[0]._trees
+    correct = True
+    for other in ours[1:]:
+        correct &= torch.equal(first.raw(), other._trees.raw())
+        correct &= torch.allclose(first.leaf_mass(), other._trees.leaf_mass(), rtol=1e-6, atol=0)
+        correct &= math.isclose(first.total(), other._trees.total(), rel_tol=1e-9)
+    if "torchrl" in samplers:
+        theirs = samplers["torchrl"]._sum_tree.query(0, capacity)
+        correct &= math.isclose(first.total(), theirs, rel_tol=1e-4)
+    return bool(correct)
+
+
+def _bulk(capacity: int, backends: list[str], torchrl_ok: bool) -> list[Result]:
+    """One update_priority call writing every slot (random order): time and peak memory."""
+    gen = torch.Generator().manual_seed(capacity + 2)
+    index = torch.randperm(capacity, generator=gen)
+    priority = torch.rand(capacity, generator=gen) + 0.05
+    times, peaks = {}, {}
+    samplers = _samplers(capacity, backends, torchrl_ok)
+    for name, sampler in samplers.items():
+        sampler.update_priority(index[:16], priority[:16])  # compile/load kernels first
+        times[name], peaks[name] = _peak_extra(lambda s=sampler: s.update_priority(index, priority))
+    correct = _consistent(samplers, capacity)
+    for name in backends:
+        correct &= samplers[name].default_priority == float(priority.max())
+    del samplers
+    return _results(
+        f"update_priority(all {fmt_count(capacity)}), one call",
+        times,
+        correct,
+        {"capacity": capacity},
+        peak_extra_bytes=peaks,
+        torchrl_peak_extra_bytes={name: peaks.get("torchrl") for name in backends},
+    )
+
+
+def _lower_max(capacity: int, backends: list[str], repeats: int, torchrl_ok: bool) -> list:
     """Re-prioritise the current max item below the rest: the live max must move."""
     gen = torch.Generator().manual_seed(capacity)
     priority = torch.rand(capacity, generator=gen) + 0.5  # in [0.5, 1.5)
-    second = float(priority.max())
-    top = int(torch.randint(capacity, (1,), generator=gen))
-    ours = PrioritizedSampler(capacity, ALPHA, BETA)
-    _fill(ours, capacity, priority)
-    samplers = {"fastreplay": ours}
-    if torchrl_ok:
-        theirs = TorchRLSampler(capacity, ALPHA, BETA, max_priority_within_buffer=True)
-        _fill(theirs, capacity, priority)
-        samplers["torchrl"] = theirs
+    top = int(priority.argmax())
+    second = float(priority.topk(2)[0][1])
+    samplers = _samplers(capacity, backends, torchrl_ok, max_priority_within_buffer=True)
+    for sampler in samplers.values():
+        _fill(sampler, capacity, priority)
     index, high, low = torch.tensor([top]), torch.tensor([10.0]), torch.tensor([0.1])
     times, correct = {}, True
     for name, sampler in samplers.items():
@@ -76,62 +266,16 @@ def _lower_max(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
             setup=lambda s=sampler: s.update_priority(index, high),
             repeats=repeats,
         )
-        assert float(sampler.default_priority) != 10.0
-        expected = second if priority[top] != second else float(priority.topk(2)[0][1])
         got = float(sampler.default_priority)
         # ours is exact; TorchRL inverts (p + eps) ** alpha from a float32 tree
-        tol = 0.0 if name == "fastreplay" else 1e-5
-        correct &= math.isclose(got, expected, rel_tol=tol)
+        tol = 1e-5 if name == "torchrl" else 0.0
+        correct &= math.isclose(got, second, rel_tol=tol)
     del samplers
-    return Result(
-        NAME,
+    return _results(
         f"lower the max item, {fmt_count(capacity)} capacity",
-        times["fastreplay"],
-        times.get("torchrl"),
+        times,
         correct,
-        params={"capacity": capacity, "alpha": ALPHA, "torchrl_max_within_buffer": True},
-    )
-
-
-def _online_step(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
-    """Extend 16 new items (default priority), sample 256, update those 256 priorities."""
-    gen = torch.Generator().manual_seed(capacity + 1)
-    samplers = {"fastreplay": PrioritizedSampler(capacity, ALPHA, BETA)}
-    if torchrl_ok:  # TorchRL's default configuration, compiled C++ trees
-        samplers["torchrl"] = TorchRLSampler(capacity, ALPHA, BETA)
-    init = TensorDict({"obs": torch.arange(capacity, dtype=torch.float32)}, [capacity])
-    init["td_error"] = torch.rand(capacity, generator=gen)
-    new = TensorDict({"obs": torch.zeros(16)}, [16])
-    buffers = {}
-    for name, sampler in samplers.items():
-        rb = TensorDictReplayBuffer(
-            storage=LazyTensorStorage(capacity), sampler=sampler, priority_key="td_error"
-        )
-        for start in range(0, capacity, CHUNK):
-            rb.extend(init[start : start + CHUNK])
-        buffers[name] = rb
-
-    def step(rb: TensorDictReplayBuffer) -> None:
-        rb.extend(new.clone())
-        batch = rb.sample(256)
-        rb.update_priority(batch["index"], batch["obs"].abs().add(0.1))
-
-    times = {
-        name: median_seconds(lambda rb=rb: step(rb), repeats=3 * repeats)
-        for name, rb in buffers.items()
-    }
-    ours = samplers["fastreplay"]
-    correct = ours.default_priority == float(ours._trees.raw().max())
-    batch = buffers["fastreplay"].sample(256)
-    correct &= bool(torch.isfinite(batch["priority_weight"]).all())
-    del buffers, samplers, init
-    return Result(
-        NAME,
-        f"online PER step (extend 16, sample 256, update 256), {fmt_count(capacity)}",
-        times["fastreplay"],
-        times.get("torchrl"),
-        correct,
-        params={"capacity": capacity, "alpha": ALPHA, "beta": BETA},
+        {"capacity": capacity, "alpha": ALPHA, "torchrl_max_within_buffer": True},
     )
 
 
@@ -182,12 +326,12 @@ def _dumps_loads(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
 
 def run(args: argparse.Namespace) -> list[Result]:
     torchrl_ok = _torchrl_ok()
+    backends = [b.strip() for b in args.per_backends.split(",") if b.strip()]
     results = []
-    online_max = parse_counts(args.per_online_max)[0]
     for capacity in parse_counts(args.per_capacity):
-        results.append(_lower_max(capacity, args.repeats, torchrl_ok))
-        if capacity <= online_max:
-            results.append(_online_step(capacity, args.repeats, torchrl_ok))
+        results += _calls(capacity, backends, args.repeats, torchrl_ok)
+        results += _bulk(capacity, backends, torchrl_ok)
+        results += _lower_max(capacity, backends, args.repeats, torchrl_ok)
     for capacity in parse_counts(args.per_dumps_capacity):
         results.append(_dumps_loads(capacity, args.repeats, torchrl_ok))
     return results

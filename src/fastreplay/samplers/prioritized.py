@@ -16,7 +16,8 @@ import torch
 from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from fastreplay._segment_tree import PriorityTrees
+from fastreplay._segment_tree import make_trees
+from fastreplay._segment_tree_numba import OK as _OK
 
 __all__ = ["PrioritizedSampler"]
 
@@ -107,6 +108,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         *,
         upper_priority: float = math.inf,
         initial_priority: float = 1.0,
+        backend: str | None = None,
     ) -> None:
         # TorchRL's __init__ would build its compiled trees: set the same attributes instead.
         if isinstance(max_capacity, bool) or not isinstance(max_capacity, int):
@@ -138,11 +140,15 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._device = torch.device(device) if device is not None else None
         self._upper_priority = float(upper_priority)
         self._initial_priority = float(initial_priority)
+        self._backend_choice = backend
         self._init()
 
     # ------------------------------------------------------------------ state
     def _init(self) -> None:
-        self._trees = PriorityTrees(self._max_capacity, device=self._device)
+        self._trees = make_trees(
+            self._max_capacity, backend=self._backend_choice, device=self._device
+        )
+        self._fused = self._trees.backend == "numba"
         self._all_time_max = -math.inf
 
     def _empty(self) -> None:
@@ -154,11 +160,31 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         """Device holding the priority trees."""
         return self._trees.device
 
+    @property
+    def backend(self) -> str:
+        """Tree backend in use: ``"numba"`` (compiled loops, CPU) or ``"torch"`` (any device).
+
+        Chosen by the ``backend`` argument; ``None`` picks numba when it is installed and the
+        trees are on the CPU, and switches to torch if a CUDA storage moves the trees.
+        """
+        return self._trees.backend
+
     def _maybe_init_from_storage(self, storage: Storage | None) -> None:
+        # Hot path: nothing to do for CPU storages and a fixed device (no device parsing).
+        device = self._device if self._device is not None else getattr(storage, "device", None)
+        if device is None or device == self._trees.device or device in ("auto", "cpu"):
+            return
         device = self._tree_device_from_storage(storage)
         if device is not None and device != self._trees.device:
             self._device = device
-            self._trees.to(device)  # move, keeping the priorities (TorchRL resets them)
+            old = self._trees
+            if self._backend_choice is None and device.type != "cpu" and old.backend != "torch":
+                # numba trees live on the CPU: follow the storage on the torch backend
+                self._trees = make_trees(self._max_capacity, backend="torch", device=device)
+                self._trees.set_leaves(old.leaf_mass(), old.raw())
+                self._fused = False
+            else:
+                self._trees.to(device)  # move, keeping the priorities (TorchRL resets them)
 
     @property
     def upper_priority(self) -> float:
@@ -241,7 +267,6 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     def _stored(self, storage: Storage | None) -> int:
         return self._max_capacity if storage is None else min(len(storage), self._max_capacity)
 
-    @torch.no_grad()
     def update_priority(
         self,
         index: int | torch.Tensor,
@@ -268,41 +293,79 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         Repeated indices: the last occurrence wins, as in TorchRL.
         """
         self._maybe_init_from_storage(storage)
-        index = torch.as_tensor(index) if not isinstance(index, tuple) else index
+        if (  # numba fast path: flat CPU indices and float priorities go straight to the kernels
+            self._fused
+            and type(index) is torch.Tensor
+            and type(priority) is torch.Tensor
+            and index.dtype == torch.long
+            and index.ndim == 1
+            and priority.dtype in _FLOAT_DTYPES
+            and priority.numel() in (1, index.numel())
+            and index.device.type == "cpu"
+            and priority.device.type == "cpu"
+            and index.numel() > 0
+        ):
+            self._write(index, priority.detach().reshape(-1), self._stored(storage))
+            return
         flat = self._flat_index(index, storage)
         priority = torch.as_tensor(priority, device=self.device).detach()
-        if priority.dtype == torch.bool or priority.is_complex():
-            raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
-        if priority.numel() == 1:
-            priority = priority.reshape(1).expand(flat.numel())
-        elif priority.numel() != flat.numel():
+        if not priority.is_floating_point():
+            if priority.dtype == torch.bool or priority.is_complex():
+                raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
+            priority = priority.to(torch.float64)
+        if priority.numel() != 1 and priority.numel() != flat.numel():
             raise ValueError(
                 f"priority has {priority.numel()} elements (shape {tuple(priority.shape)}) but "
                 f"index has {flat.numel()} (shape {tuple(torch.as_tensor(index).shape)}): pass "
                 "one priority per index or a single number; nothing was updated"
             )
-        else:
-            priority = priority.reshape(-1)
         if flat.numel() == 0:
             return
-        self._write(flat, priority.to(torch.float64), self._stored(storage))
+        self._write(flat, priority.reshape(-1), self._stored(storage))
 
     def _write(self, flat: torch.Tensor, raw: torch.Tensor, stored: int) -> None:
-        checked = self._validate(flat, raw, stored)
-        if checked is None:
-            return
-        flat, raw, p_max = checked
-        if flat.numel() > 1:
-            # Repeated slots: the last occurrence wins, as in TorchRL.
-            # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
-            flat, order = torch.sort(flat, stable=True)
-            last = torch.ones_like(flat, dtype=torch.bool)
-            torch.ne(flat[1:], flat[:-1], out=last[:-1])
-            keep = last.nonzero().squeeze(1)
-            flat, raw = flat.index_select(0, keep), raw.index_select(0, order.index_select(0, keep))
-        if not self._max_priority_within_buffer:
+        """Check, then write raw priorities ``raw`` (one per slot, or one for all) at ``flat``.
+
+        Repeated slots: the last occurrence wins, as in TorchRL. Atomic: any bad entry raises
+        before anything is written.
+        """
+        if self._fused:  # numba: one checking pass, then one writing pass, no temporaries
+            index_np, raw_np = flat.numpy(), raw.numpy()
+            f32 = self.dtype == torch.float32
+            status, p_max, _ = self._trees.check_priorities(
+                index_np, raw_np, stored, self._eps, self._alpha, f32
+            )
+            if status != _OK:
+                self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
+                raise AssertionError(f"unreported bad priority write (status {status})")
+            self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
+        else:
+            checked = self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
+            if checked is None:
+                return
+            flat, raw, p_max = checked
+            if flat.numel() * 64 > self._max_capacity:
+                # Bulk: the last occurrence of each slot, by one scatter over the capacity
+                # (O(k + capacity), no sort and its O(k) index temporaries).
+                last = torch.full((self._max_capacity,), -1, dtype=torch.long, device=flat.device)
+                order = torch.arange(flat.numel(), device=flat.device)
+                last.scatter_reduce_(0, flat, order, "amax")
+                del order
+                flat = (last >= 0).nonzero().squeeze(1)
+                raw = raw.index_select(0, last.index_select(0, flat))
+                del last
+            elif flat.numel() > 1:
+                # Repeated slots: the last occurrence wins, as in TorchRL.
+                # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
+                flat, order = torch.sort(flat, stable=True)
+                last = torch.ones_like(flat, dtype=torch.bool)
+                torch.ne(flat[1:], flat[:-1], out=last[:-1])
+                keep = last.nonzero().squeeze(1)
+                flat = flat.index_select(0, keep)
+                raw = raw.index_select(0, order.index_select(0, keep))
+            self._trees.update(flat, self._mass(raw), raw)
+        if not self._max_priority_within_buffer and p_max > -math.inf:
             self._all_time_max = max(self._all_time_max, p_max)
-        self._trees.update(flat, self._mass(raw), raw)
 
     def _validate(
         self, flat: torch.Tensor, raw: torch.Tensor, stored: int
@@ -331,9 +394,15 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             if bool(bad_p.any()):
                 problems.append(f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)}")
             raise ValueError("; ".join(problems) + "; nothing was updated")
+        top = float(self._mass(torch.tensor([p_max], dtype=torch.float64)))
+        if not top < math.inf:  # the mass is monotone in the priority: check the largest
+            raise ValueError(
+                f"priority {p_max!r} overflows the sampling mass (p + eps) ** alpha in "
+                f"{self.dtype} (alpha={self._alpha}); pass smaller priorities (or "
+                "dtype=torch.float64); nothing was updated"
+            )
         return flat, raw, p_max
 
-    @torch.no_grad()
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Give freshly written items :attr:`default_priority`; O(k log capacity).
 
@@ -345,20 +414,27 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if flat.numel() == 0:
             return
         stored = self._stored(storage)
+        zero = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self._max_priority_within_buffer:
-            # Clear the overwritten slots first if one of them holds the live max.
-            valid = flat.clamp(0, self._max_capacity - 1)
-            old = self._trees.levels[0][2].index_select(0, valid)
-            if bool((old <= self._trees.levels[-1][2, 0]).any()):
-                zeros = torch.zeros(flat.shape, dtype=torch.float64, device=self.device)
-                checked = self._validate(flat, zeros, stored)  # raises before any change
-                if checked is not None:
-                    self._trees.clear(checked[0])
-        raw = torch.full(flat.shape, self.default_priority, dtype=torch.float64, device=self.device)
-        self._write(flat, raw, stored)
+            if self._fused:
+                index_np = flat.numpy()
+                status, _, _ = self._trees.check_priorities(
+                    index_np, zero.numpy(), stored, self._eps, self._alpha, False
+                )
+                if status != _OK:  # raises before any change
+                    self._validate(flat, zero.expand(flat.shape), stored)
+                self._trees.clear_if_holds_max(index_np)
+            else:
+                # Clear the overwritten slots first if one of them holds the live max.
+                valid = flat.clamp(0, self._max_capacity - 1)
+                old = self._trees.levels[0][2].index_select(0, valid)
+                if bool((old <= self._trees.levels[-1][2, 0]).any()):
+                    checked = self._validate(flat, zero.expand(flat.shape), stored)  # raises first
+                    if checked is not None:
+                        self._trees.clear(checked[0])
+        self._write(flat, zero.fill_(self.default_priority), stored)
 
     # ------------------------------------------------------------------ sampling
-    @torch.no_grad()
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """Draw ``batch_size`` indices with replacement; O(batch_size log capacity).
 
@@ -388,9 +464,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         rng = self._rng
         rand_device = rng.device if rng is not None else self.device
         draw = torch.rand(batch_size, dtype=torch.float64, device=rand_device, generator=rng)
-        index = self._trees.search(draw.to(self.device) * total)
-        mass = self._trees.mass(index)
-        weight = torch.pow(mass / m_min, -self._beta).to(self.dtype)
+        if self._fused:  # one compiled pass: descent, leaf mass and weight
+            f32 = self.dtype == torch.float32
+            draw_np = draw.numpy() if rand_device.type == "cpu" else draw.cpu().numpy()
+            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32)
+        else:
+            index = self._trees.search(draw.to(self.device) * total)
+            weight = torch.pow(self._trees.mass(index) / m_min, -self._beta).to(self.dtype)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
@@ -469,5 +549,5 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         return (
             f"{type(self).__name__}(max_capacity={self._max_capacity}, alpha={self._alpha}, "
             f"beta={self._beta}, eps={self._eps}, reduction={self.reduction}, "
-            f"upper_priority={self._upper_priority})"
+            f"upper_priority={self._upper_priority}, backend={self.backend!r})"
         )
