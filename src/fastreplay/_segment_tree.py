@@ -225,7 +225,7 @@ class PriorityTrees:
         b = self.branching
         prefix = original = prefix.to(device=self.device, dtype=torch.float64).reshape(-1)
         node = torch.zeros_like(prefix, dtype=torch.long)
-        if len(self.levels) == 1:  # capacity 1: the root is the only leaf
+        if len(self.levels) == 1 or prefix.numel() == 0:  # capacity 1: the root is the leaf
             return node
         for level in reversed(self.levels[:-1]):
             if not guard:  # an overshoot may have picked a padding node: stay in range
@@ -241,8 +241,11 @@ class PriorityTrees:
                 choice = choice.clamp_max_(b - 1)
             prefix = prefix - (cumsum - children).gather(1, choice)[:, 0]
             node = node.mul_(b).add_(choice[:, 0])
-        if not guard and not bool(self.levels[0][0].index_select(0, node).gt(0).all()):
-            return self.search(original, guard=True)  # rare: rounding reached an empty slot
+        if not guard and not (
+            bool(self.levels[0][0].index_select(0, node).gt(0).all())
+            and float(original.max()) < self.total()
+        ):  # rare: rounding reached an empty slot, or a prefix beyond the total was clamped
+            return self.search(original, guard=True)
         return node
 
     # ------------------------------------------------------------------ persistence

@@ -23,11 +23,14 @@ imports without numba; only constructing :class:`NumbaPriorityTrees` needs it.
 
 Example:
     >>> import torch
-    >>> trees = NumbaPriorityTrees(7)  # doctest: +SKIP
+    >>> from fastreplay._segment_tree import make_trees
+    >>> trees = make_trees(7)  # these trees when numba is installed, else the torch ones
     >>> trees.update(torch.tensor([0, 3, 6]), torch.tensor([1.0, 2.0, 5.0]),
-    ...              torch.tensor([1.0, 2.0, 5.0]))  # doctest: +SKIP
-    >>> trees.total(), trees.min_mass(), trees.max_raw()  # doctest: +SKIP
+    ...              torch.tensor([1.0, 2.0, 5.0]))
+    >>> trees.total(), trees.min_mass(), trees.max_raw()
     (8.0, 1.0, 5.0)
+    >>> trees.search(torch.tensor([0.5, 1.5, 7.9], dtype=torch.float64)).tolist()
+    [0, 3, 6]
 """
 
 from __future__ import annotations
