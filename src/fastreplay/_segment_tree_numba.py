@@ -18,7 +18,7 @@ a few microseconds of dispatch plus the memory accesses themselves:
   queries overlap.
 
 The kernels are compiled on first use (``cache=True`` stores them on disk next to this module,
-or in numba's cache folder, so later processes load them in well under a second). This module
+or in ``NUMBA_CACHE_DIR``, so later processes load them in a second or two). This module
 imports without numba; only constructing :class:`NumbaPriorityTrees` needs it.
 
 Example:
@@ -124,27 +124,17 @@ def _propagate(tree, offsets, sizes, b, flags, index):  # pragma: no cover - com
 
 
 @_jit
-def _write(tree, offsets, sizes, b, flags, index, mass, neg):  # pragma: no cover - compiled
-    """Set leaves ``index`` to (mass, mass, neg); length-1 values broadcast; last write wins."""
-    one_m = mass.size == 1
-    one_n = neg.size == 1
+def _write(tree, offsets, sizes, b, flags, index, rows):  # pragma: no cover - compiled
+    """Set leaves ``index`` to the columns of ``rows`` (3, k) or (3, 1); last write wins."""
+    one = rows.shape[1] == 1
     for i in range(index.size):
-        j = index[i]
-        m = mass[0] if one_m else mass[i]
-        tree[0, j] = m
-        tree[1, j] = m
-        tree[2, j] = neg[0] if one_n else neg[i]
+        col = 0 if one else i
+        for row in range(3):
+            tree[row, index[i]] = rows[row, col]
     _propagate(tree, offsets, sizes, b, flags, index)
 
 
-@_jit
-def _clear(tree, offsets, sizes, b, flags, index):  # pragma: no cover - compiled
-    for i in range(index.size):
-        j = index[i]
-        tree[0, j] = 0.0
-        tree[1, j] = _INF
-        tree[2, j] = _INF
-    _propagate(tree, offsets, sizes, b, flags, index)
+_CLEARED = np.array([[0.0], [_INF], [_INF]])
 
 
 @_jit
@@ -379,14 +369,14 @@ class NumbaPriorityTrees:
         ``index`` must hold in-range slots (a repeated slot: the last write wins); ``mass``
         and ``raw`` have the same length.
         """
-        neg = -self._values(raw)
+        mass, neg = self._values(mass), -self._values(raw)
         args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
-        _write(*args, self._index(index), self._values(mass), neg)
+        _write(*args, self._index(index), np.stack([mass, mass, neg]))
 
     def clear(self, index: torch.Tensor) -> None:
         """Reset leaves ``index`` to the neutral (unwritten) state; O(k log_B capacity)."""
         args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
-        _clear(*args, self._index(index))
+        _write(*args, self._index(index), _CLEARED)
 
     def reset(self) -> None:
         """Reset every slot to unwritten. O(capacity)."""
@@ -438,7 +428,7 @@ class NumbaPriorityTrees:
         if _holds_max(self._tree, index, self._root):
             args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
             valid = index[index >= 0] if (index < 0).any() else index
-            _clear(*args, valid)
+            _write(*args, valid, _CLEARED)
 
     def sample(
         self, draw: np.ndarray, total: float, m_min: float, beta: float, f32: bool

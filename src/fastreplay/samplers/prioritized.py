@@ -301,11 +301,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             and index.ndim == 1
             and priority.dtype in _FLOAT_DTYPES
             and priority.numel() in (1, index.numel())
-            and index.device.type == "cpu"
-            and priority.device.type == "cpu"
+            and index.is_cpu
+            and priority.is_cpu
             and index.numel() > 0
         ):
-            self._write(index, priority.detach().reshape(-1), self._stored(storage))
+            if priority.ndim != 1 or priority.requires_grad:
+                priority = priority.detach().reshape(-1)
+            self._write(index, priority, self._stored(storage))
             return
         flat = self._flat_index(index, storage)
         priority = torch.as_tensor(priority, device=self.device).detach()
