@@ -138,6 +138,15 @@ def test_bad_input_rejected_atomically(backend: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.float64])
+def test_priority_dtypes(backend: str, dtype: torch.dtype) -> None:
+    sampler = PrioritizedSampler(7, 1.0, 0.5, backend=backend)
+    priority = torch.tensor([3, 1, 2]).to(dtype)
+    sampler.update_priority(torch.tensor([0, 5, 2]), priority)
+    sampler.update_priority(torch.tensor([1, 4]), torch.tensor([[2], [7]]).to(dtype))
+    assert sampler._trees.raw().tolist() == [3.0, 2.0, 2.0, -math.inf, 7.0, 1.0, -math.inf]
+
+
 def test_backend_keyword_and_repr(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sampler = PrioritizedSampler(7, 0.5, 0.5, backend=backend)
     assert sampler.backend == backend

@@ -311,7 +311,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             return
         flat = self._flat_index(index, storage)
         priority = torch.as_tensor(priority, device=self.device).detach()
-        if not priority.is_floating_point():
+        if priority.dtype not in _FLOAT_DTYPES:  # ints, float16, bfloat16: exact in float64
             if priority.dtype == torch.bool or priority.is_complex():
                 raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
             priority = priority.to(torch.float64)
