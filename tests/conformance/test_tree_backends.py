@@ -147,6 +147,31 @@ def test_priority_dtypes(backend: str, dtype: torch.dtype) -> None:
     assert sampler._trees.raw().tolist() == [3.0, 2.0, 2.0, -math.inf, 7.0, 1.0, -math.inf]
 
 
+def test_bulk_writes_in_chunks_stay_atomic_and_last_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend writes large batches chunk by chunk: same result, same atomicity."""
+    monkeypatch.setattr(PrioritizedSampler, "_bulk_chunk", 8)
+    chunked = PrioritizedSampler(50, 0.8, 0.5, backend="torch")
+    whole = PrioritizedSampler(50, 0.8, 0.5, backend="torch")
+    whole._bulk_chunk = 10**9
+    gen = torch.Generator().manual_seed(9)
+    index = torch.randint(-1, 50, (300,), generator=gen)  # repeats across chunks, -1 markers
+    priority = torch.rand(300, generator=gen)
+    for sampler in (chunked, whole):
+        sampler.update_priority(index, priority)
+    assert torch.equal(chunked._trees.raw(), whole._trees.raw())
+    expected = torch.full((50,), -math.inf, dtype=torch.float64)
+    for i, p in zip(index.tolist(), priority.double().tolist(), strict=True):
+        if i >= 0:
+            expected[i] = p
+    assert torch.equal(chunked._trees.raw(), expected)
+    before = [level.clone() for level in chunked._trees.levels]
+    bad = priority.clone()
+    bad[-1] = math.nan  # in the last chunk: nothing of the earlier chunks may be written
+    with pytest.raises(ValueError, match="nan"):
+        chunked.update_priority(index.clamp_min(0), bad + 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, chunked._trees.levels, strict=True))
+
+
 def test_backend_keyword_and_repr(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sampler = PrioritizedSampler(7, 0.5, 0.5, backend=backend)
     assert sampler.backend == backend

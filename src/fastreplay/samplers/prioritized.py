@@ -342,32 +342,37 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 raise AssertionError(f"unreported bad priority write (status {status})")
             self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
         else:
-            checked = self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
-            if checked is None:
-                return
-            flat, raw, p_max = checked
-            if flat.numel() * 64 > self._max_capacity:
-                # Bulk: the last occurrence of each slot, by one scatter over the capacity
-                # (O(k + capacity), no sort and its O(k) index temporaries).
-                last = torch.full((self._max_capacity,), -1, dtype=torch.long, device=flat.device)
-                order = torch.arange(flat.numel(), device=flat.device)
-                last.scatter_reduce_(0, flat, order, "amax")
-                del order
-                flat = (last >= 0).nonzero().squeeze(1)
-                raw = raw.index_select(0, last.index_select(0, flat))
-                del last
-            elif flat.numel() > 1:
-                # Repeated slots: the last occurrence wins, as in TorchRL.
-                # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
-                flat, order = torch.sort(flat, stable=True)
-                last = torch.ones_like(flat, dtype=torch.bool)
-                torch.ne(flat[1:], flat[:-1], out=last[:-1])
-                keep = last.nonzero().squeeze(1)
-                flat = flat.index_select(0, keep)
-                raw = raw.index_select(0, order.index_select(0, keep))
-            self._trees.update(flat, self._mass(raw), raw)
+            # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all
+            # chunks are checked before any is written, and later chunks overwrite earlier
+            # ones, so the last occurrence of a slot still wins.
+            raw = raw.expand(flat.shape)
+            step = max(self._max_capacity // 8, self._bulk_chunk)
+            chunks = [(flat[i : i + step], raw[i : i + step]) for i in range(0, raw.numel(), step)]
+            if len(chunks) > 1:
+                for index, values in chunks:
+                    self._validate(index, values.to(torch.float64), stored)
+            p_max = -math.inf
+            for index, values in chunks:
+                checked = self._validate(index, values.to(torch.float64), stored)
+                if checked is not None:
+                    p_max = max(p_max, checked[2])
+                    self._write_torch(checked[0], checked[1])
         if not self._max_priority_within_buffer and p_max > -math.inf:
             self._all_time_max = max(self._all_time_max, p_max)
+
+    _bulk_chunk = 1 << 18  # smallest chunk of a bulk write on the torch backend
+
+    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor) -> None:
+        """Write checked float64 priorities on the torch backend (last occurrence wins)."""
+        if flat.numel() > 1:
+            # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
+            flat, order = torch.sort(flat, stable=True)
+            last = torch.ones_like(flat, dtype=torch.bool)
+            torch.ne(flat[1:], flat[:-1], out=last[:-1])
+            keep = last.nonzero().squeeze(1)
+            flat = flat.index_select(0, keep)
+            raw = raw.index_select(0, order.index_select(0, keep))
+        self._trees.update(flat, self._mass(raw), raw)
 
     def _validate(
         self, flat: torch.Tensor, raw: torch.Tensor, stored: int
