@@ -11,8 +11,9 @@ Cases per capacity (``--per-capacity``, 1M and 10M by default; 100M on request):
 * ``sample(256)``: ``sampler.sample(storage, 256)``;
 * ``update_priority(256)``: ``sampler.update_priority`` of 256 random slots;
 * ``online PER step``: extend 16, sample 256 through the buffer, update those 256 priorities;
-* ``update_priority(all)``: one call writing every slot in random order, with its peak extra
-  resident memory (``VmHWM`` after a reset, minus ``VmRSS`` before);
+* ``update_priority(all)``: one call writing every slot in random order, in a fresh process
+  per side, with its peak extra resident memory (``VmHWM`` after a reset, minus ``VmRSS``
+  before; in ``results.json``);
 * ``lower the max item``: re-prioritise the max item below the rest (TorchRL with
   ``max_priority_within_buffer=True``, which rescans its tree).
 
@@ -95,29 +96,6 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
     finally:
         gc.enable()
     return {name: statistics.median(values) for name, values in times.items()}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as file:
-        for line in file:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak_extra(fn: Callable[[], object]) -> tuple[float, int]:
-    """Seconds and peak extra resident bytes of one ``fn()`` call (Linux; 0 bytes elsewhere)."""
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as file:
-            file.write("5")  # reset the peak resident set size (VmHWM) to the current one
-    except OSError:
-        pass
-    before = _status("VmRSS")
-    t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
-    return seconds, max(_status("VmHWM") - before, 0)
 
 
 def _samplers(capacity: int, backends: list[str], torchrl_ok: bool, **kwargs) -> dict:
@@ -225,27 +203,71 @@ def _consistent(samplers: dict, capacity: int) -> bool:
     return bool(correct)
 
 
+_BULK_CHILD = """
+import gc, json, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+name, capacity = sys.argv[1], int(sys.argv[2])
+if name == "torchrl":
+    from torchrl.data import PrioritizedSampler
+    sampler = PrioritizedSampler(capacity, 0.7, 0.5)
+else:
+    from fastreplay import PrioritizedSampler
+    sampler = PrioritizedSampler(capacity, 0.7, 0.5, backend=name)
+gen = torch.Generator().manual_seed(capacity + 2)
+index = torch.randperm(capacity, generator=gen)
+priority = torch.rand(capacity, generator=gen) + 0.05
+sampler.update_priority(index[:16], priority[:16])  # compile or load kernels first
+def status(field):
+    with open("/proc/self/status") as file:
+        return next(int(l.split()[1]) * 1024 for l in file if l.startswith(field))
+gc.collect()
+with open("/proc/self/clear_refs", "w") as file:
+    file.write("5")  # reset the peak resident set size (VmHWM) to the current one
+before = status("VmRSS")
+t0 = time.perf_counter()
+sampler.update_priority(index, priority)
+seconds = time.perf_counter() - t0
+peak = status("VmHWM") - before
+total = sampler._sum_tree.query(0, capacity) if name == "torchrl" else sampler._trees.total()
+live = float(priority.max()) if name == "torchrl" else sampler.default_priority
+ok = live == float(priority.max())
+print(json.dumps({"seconds": seconds, "peak": peak, "total": total, "ok": ok}))
+"""
+
+
 def _bulk(capacity: int, backends: list[str], torchrl_ok: bool) -> list[Result]:
-    """One update_priority call writing every slot (random order): time and peak memory."""
-    gen = torch.Generator().manual_seed(capacity + 2)
-    index = torch.randperm(capacity, generator=gen)
-    priority = torch.rand(capacity, generator=gen) + 0.05
-    times, peaks = {}, {}
-    samplers = _samplers(capacity, backends, torchrl_ok)
-    for name, sampler in samplers.items():
-        sampler.update_priority(index[:16], priority[:16])  # compile/load kernels first
-        times[name], peaks[name] = _peak_extra(lambda s=sampler: s.update_priority(index, priority))
-    correct = _consistent(samplers, capacity)
-    for name in backends:
-        correct &= samplers[name].default_priority == float(priority.max())
-    del samplers
+    """One update_priority call writing every slot (random order), each in a fresh process.
+
+    A fresh process per side, so that the peak extra resident memory (``VmHWM`` after a
+    reset, minus ``VmRSS`` before) is not hidden by memory an earlier case freed.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = {}
+    for name in [*backends, *(["torchrl"] if torchrl_ok else [])]:
+        out = subprocess.run(
+            [sys.executable, "-c", _BULK_CHILD, name, str(capacity), str(torch.get_num_threads())],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    first = runs[backends[0]]["total"]
+    correct = all(run["ok"] for run in runs.values())
+    correct &= all(math.isclose(run["total"], first, rel_tol=1e-4) for run in runs.values())
     return _results(
         f"update_priority(all {fmt_count(capacity)}), one call",
-        times,
+        {name: run["seconds"] for name, run in runs.items()},
         correct,
         {"capacity": capacity},
-        peak_extra_bytes=peaks,
-        torchrl_peak_extra_bytes={name: peaks.get("torchrl") for name in backends},
+        peak_extra_bytes={name: run["peak"] for name, run in runs.items()},
+        torchrl_peak_extra_bytes={name: runs.get("torchrl", {}).get("peak") for name in backends},
     )
 
 
