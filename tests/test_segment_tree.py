@@ -1,13 +1,38 @@
-"""PriorityTrees against brute force: random batched updates, clears, rebuilds and searches."""
+"""Priority trees against brute force, on every backend present (torch; numba if installed).
+
+Random batched updates, clears, rebuilds and searches; both backends built from the same calls
+must hold the same leaves and answer searches identically.
+"""
 
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
 
-from fastreplay._segment_tree import PriorityTrees
+import fastreplay._segment_tree_numba as numba_trees
+from conftest import requires_cuda
+from fastreplay._segment_tree import PriorityTrees, available_backends, make_trees
+
+requires_numba = pytest.mark.skipif(
+    not numba_trees.NUMBA_AVAILABLE,
+    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
+)
+BACKENDS = [
+    "torch",
+    pytest.param("numba", marks=requires_numba),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _trees(capacity: int, backend: str, branching: int = 32):
+    return make_trees(capacity, backend=backend, branching=branching)
 
 
 def _brute(mass: torch.Tensor, raw: torch.Tensor) -> tuple[float, float, float]:
@@ -19,9 +44,10 @@ def _brute(mass: torch.Tensor, raw: torch.Tensor) -> tuple[float, float, float]:
 
 @pytest.mark.parametrize("branching", [2, 3, 32])
 @pytest.mark.parametrize("capacity", [1, 7, 50, 1023])
-def test_random_updates_match_brute_force(capacity: int, branching: int) -> None:
+def test_random_updates_match_brute_force(capacity: int, branching: int, backend: str) -> None:
     gen = torch.Generator().manual_seed(capacity * 31 + branching)
-    trees = PriorityTrees(capacity, branching=branching)
+    trees = _trees(capacity, backend, branching)
+    assert trees.backend == backend
     mass = torch.zeros(capacity, dtype=torch.float64)
     raw = torch.full((capacity,), -math.inf, dtype=torch.float64)
     for step in range(40):
@@ -43,7 +69,7 @@ def test_random_updates_match_brute_force(capacity: int, branching: int) -> None
         assert torch.equal(trees.leaf_mass(), mass)
         assert torch.equal(trees.written(), raw != -math.inf)
     # incremental internal nodes equal a full rebuild (same reductions, same order)
-    rebuilt = PriorityTrees(capacity, branching=branching)
+    rebuilt = _trees(capacity, backend, branching)
     rebuilt.set_leaves(mass, raw)
     for a, b in zip(trees.levels, rebuilt.levels, strict=True):
         assert torch.equal(a, b)
@@ -51,13 +77,13 @@ def test_random_updates_match_brute_force(capacity: int, branching: int) -> None
 
 @pytest.mark.parametrize("branching", [2, 5, 32])
 @pytest.mark.parametrize("capacity", [7, 50, 1023])
-def test_search_matches_searchsorted(capacity: int, branching: int) -> None:
+def test_search_matches_searchsorted(capacity: int, branching: int, backend: str) -> None:
     gen = torch.Generator().manual_seed(capacity + branching)
     mass = torch.rand(capacity, generator=gen, dtype=torch.float64)
     mass[torch.rand(capacity, generator=gen) < 0.3] = 0.0  # zero-mass slots are never drawn
     mass[0] = 0.5
     raw = torch.where(mass > 0, mass, -math.inf)
-    trees = PriorityTrees(capacity, branching=branching)
+    trees = _trees(capacity, backend, branching)
     trees.set_leaves(mass, raw)
     cumsum = mass.cumsum(0)
     # the midpoint of every leaf's interval maps to that leaf (exact enumeration)
@@ -70,23 +96,108 @@ def test_search_matches_searchsorted(capacity: int, branching: int) -> None:
     assert torch.equal(trees.search(prefix, guard=True), expected)
 
 
-def test_search_past_the_total_lands_on_last_positive_slot() -> None:
+def test_search_past_the_total_lands_on_last_positive_slot(backend: str) -> None:
     """The rounding guard: a prefix >= total never reaches an empty slot."""
-    trees = PriorityTrees(100, branching=4)
+    trees = _trees(100, backend, 4)
     trees.update(torch.tensor([3, 41, 42]), torch.tensor([1.0, 2.0, 3.0]), torch.ones(3))
     found = trees.search(torch.tensor([6.0, 6.0 + 1e-9, 1e9], dtype=torch.float64))
     assert found.tolist() == [42, 42, 42]
     assert (trees.mass(found) > 0).all()
 
 
-def test_reset_and_bad_arguments() -> None:
-    trees = PriorityTrees(7)
+def test_reset_and_bad_arguments(backend: str) -> None:
+    trees = _trees(7, backend)
     trees.update(torch.tensor([1]), torch.tensor([2.0]), torch.tensor([4.0]))
     trees.reset()
     assert (trees.total(), trees.min_mass(), trees.max_raw()) == (0.0, math.inf, -math.inf)
     with pytest.raises(ValueError, match="capacity must be a positive int"):
-        PriorityTrees(0)
+        _trees(0, backend)
     with pytest.raises(ValueError, match="branching must be >= 2"):
-        PriorityTrees(5, branching=1)
+        _trees(5, backend, branching=1)
     with pytest.raises(ValueError, match="expected 7 leaves"):
         trees.set_leaves(torch.zeros(6), torch.zeros(6))
+
+
+@pytest.mark.parametrize("capacity", [7, 50, 1023])
+def test_bulk_writes_match_small_writes(capacity: int, backend: str) -> None:
+    """A write of every slot (bulk path: rows in place + rebuild) equals one slot at a time."""
+    gen = torch.Generator().manual_seed(capacity)
+    raw = torch.rand(capacity, generator=gen, dtype=torch.float64)
+    bulk, small = _trees(capacity, backend, 4), _trees(capacity, backend, 4)
+    order = torch.randperm(capacity, generator=gen)
+    bulk.update(order, raw[order].sqrt(), raw[order])
+    for i in order.tolist():
+        small.update(torch.tensor([i]), raw[i : i + 1].sqrt(), raw[i : i + 1])
+    for a, b in zip(bulk.levels, small.levels, strict=True):
+        assert torch.equal(a, b)
+    clear = order[: capacity // 2 + 1]
+    bulk.clear(clear)
+    for i in clear.tolist():
+        small.clear(torch.tensor([i]))
+    for a, b in zip(bulk.levels, small.levels, strict=True):
+        assert torch.equal(a, b)
+    assert bulk.written().sum().item() == capacity - clear.numel()
+
+
+@requires_numba
+@pytest.mark.parametrize("capacity", [1, 7, 50, 1023])
+def test_backends_agree(capacity: int) -> None:
+    """The same calls on both backends: same leaves, same roots, same search answers."""
+    gen = torch.Generator().manual_seed(capacity + 5)
+    pair = [make_trees(capacity, backend="torch"), make_trees(capacity, backend="numba")]
+    for step in range(12):
+        k = int(torch.randint(1, capacity + 1, (1,), generator=gen))
+        index = torch.randperm(capacity, generator=gen)[:k]
+        raw = torch.randint(1, 9, (k,), generator=gen).double()  # exact sums in any order
+        for trees in pair:
+            if step % 4 == 3:
+                trees.clear(index)
+            else:
+                trees.update(index, raw, raw)
+        a, b = pair
+        assert torch.equal(a.raw(), b.raw()) and torch.equal(a.leaf_mass(), b.leaf_mass())
+        assert (a.total(), a.min_mass(), a.max_raw()) == (b.total(), b.min_mass(), b.max_raw())
+        assert torch.equal(a.written(), b.written())
+        if a.total() > 0:
+            prefix = torch.rand(300, generator=gen, dtype=torch.float64) * (a.total() + 1)
+            assert torch.equal(a.search(prefix), b.search(prefix))
+            assert torch.equal(a.mass(a.search(prefix)), b.mass(b.search(prefix)))
+
+
+@requires_numba
+def test_numba_trees_pickle_and_stay_on_cpu() -> None:
+    trees = make_trees(50, backend="numba")
+    trees.update(torch.tensor([3, 9]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
+    copy = pickle.loads(pickle.dumps(trees))
+    copy.update(torch.tensor([5]), torch.tensor([3.0]), torch.tensor([9.0]))
+    assert (trees.total(), trees.max_raw()) == (3.0, 4.0)  # independent copies
+    assert (copy.total(), copy.max_raw()) == (6.0, 9.0)
+    assert trees.to("cpu") is trees
+    with pytest.raises(ValueError, match=r"backend='numba' keeps the priority trees on the CPU"):
+        trees.to("cuda")
+
+
+def test_make_trees_picks_and_rejects_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = "numba" if numba_trees.NUMBA_AVAILABLE else "torch"
+    assert make_trees(7).backend == expected
+    assert available_backends() == (("torch", "numba") if expected == "numba" else ("torch",))
+    assert make_trees(7, backend="torch").backend == "torch"
+    assert isinstance(make_trees(7, backend="torch"), PriorityTrees)
+    assert make_trees(7, device="meta").backend == "torch"  # not the CPU: torch trees
+    with pytest.raises(
+        ValueError, match=r"backend must be None, 'torch' or 'numba', got backend='cpp'"
+    ):
+        make_trees(7, backend="cpp")
+    cuda_error = "keeps the priority trees on the CPU" if expected == "numba" else "needs the numba"
+    with pytest.raises(ValueError, match=rf"backend='numba' {cuda_error}"):
+        make_trees(7, backend="numba", device="cuda")
+    monkeypatch.setattr(numba_trees, "NUMBA_AVAILABLE", False)
+    assert make_trees(7).backend == "torch"
+    with pytest.raises(ValueError, match=r"backend='numba' needs the numba package.*fast"):
+        make_trees(7, backend="numba")
+
+
+@requires_cuda
+def test_cuda_trees_are_torch() -> None:
+    trees = make_trees(50, device="cuda")
+    assert trees.backend == "torch" and trees.device.type == "cuda"

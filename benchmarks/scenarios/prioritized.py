@@ -1,6 +1,25 @@
-"""PrioritizedSampler: live-max maintenance, online PER step, dumps/loads (vs TorchRL).
+"""PrioritizedSampler: each PER call, the online step, bulk writes, live max, dumps+loads.
 
-Needs TorchRL's compiled extension for the TorchRL side; without it only fastreplay is timed.
+Every case runs fastreplay once per tree backend present (``numba`` when installed, ``torch``
+always) against TorchRL's compiled trees, in one process, calls interleaved. Needs TorchRL's
+compiled extension for the TorchRL side; without it only fastreplay is timed.
+
+Cases per capacity (``--per-capacity``, 1M and 10M by default; 100M on request):
+
+* ``extend 16``: ``TensorDictReplayBuffer.extend`` of 16 items (new items get the default
+  priority through ``mark_update``);
+* ``sample(256)``: ``sampler.sample(storage, 256)``;
+* ``update_priority(256)``: ``sampler.update_priority`` of 256 random slots;
+* ``online PER step``: extend 16, sample 256 through the buffer, update those 256 priorities;
+* ``update_priority(all)``: one call writing every slot in random order, in a fresh process
+  per side, with its peak extra resident memory (``VmHWM`` after a reset, minus ``VmRSS``
+  before; in ``results.json``);
+* ``lower the max item``: re-prioritise the max item below the rest (TorchRL with
+  ``max_priority_within_buffer=True``, which rescans its tree).
+
+Correct: every backend holds exactly the same raw priorities as the others after the same
+calls, masses agree, the total mass matches TorchRL's float32 tree, the live max is the
+brute-force max, and sampled weights are finite.
 """
 
 from __future__ import annotations
@@ -16,11 +35,21 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.data import PrioritizedSampler as TorchRLSampler
 
-from benchmarks.harness import Result, fmt_count, interleaved_seconds, parse_counts, progress
+from benchmarks.harness import (
+    Result,
+    choice_list,
+    counts_text,
+    fmt_count,
+    interleaved_seconds,
+    median_seconds,
+    parse_counts,
+    progress,
+)
 from fastreplay import PrioritizedSampler
+from fastreplay._segment_tree import available_backends
 
 NAME = "prioritized"
-DESCRIPTION = "PrioritizedSampler: lower the max item, online PER step, dumps+loads"
+DESCRIPTION = "PrioritizedSampler: each PER call and the online step per backend, bulk, dumps"
 ALPHA, BETA = 0.7, 0.5
 CHUNK = 1_000_000
 
@@ -28,15 +57,23 @@ CHUNK = 1_000_000
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--per-capacity",
-        default="1M",
-        help="capacities for 'lower the max' and the online PER step (e.g. 1M,10M,100M)",
+        type=counts_text,
+        default="1M,10M",
+        help="capacities for the per-call cases, the online step, the bulk update and "
+        "'lower the max' (e.g. 1M,10M,100M)",
     )
     group.add_argument(
-        "--per-online-max",
-        default="10M",
-        help="skip the online PER step above this capacity (it builds a storage)",
+        "--per-backends",
+        type=choice_list("numba", "torch"),
+        default=None,
+        help="fastreplay tree backends to time, comma-separated (default: every one installed)",
     )
-    group.add_argument("--per-dumps-capacity", default="1M", help="capacities for dumps+loads")
+    group.add_argument(
+        "--per-dumps-capacity",
+        type=counts_text,
+        default="1M",
+        help="capacities for dumps+loads, comma-separated",
+    )
 
 
 def _torchrl_ok() -> bool:
@@ -55,82 +92,211 @@ def _fill(sampler, capacity: int, priority: torch.Tensor) -> None:
             advance(stop - start)
 
 
-def _lower_max(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
-    """Re-prioritise the current max item below the rest: the live max must move."""
-    gen = torch.Generator().manual_seed(capacity)
-    priority = torch.rand(capacity, generator=gen) + 0.5  # in [0.5, 1.5)
-    second = float(priority.max())
-    top = int(torch.randint(capacity, (1,), generator=gen))
-    ours = PrioritizedSampler(capacity, ALPHA, BETA)
-    _fill(ours, capacity, priority)
-    samplers = {"fastreplay": ours}
-    if torchrl_ok:
-        theirs = TorchRLSampler(capacity, ALPHA, BETA, max_priority_within_buffer=True)
-        _fill(theirs, capacity, priority)
-        samplers["torchrl"] = theirs
-    index, high, low = torch.tensor([top]), torch.tensor([10.0]), torch.tensor([0.1])
-    times = interleaved_seconds(
-        {name: (lambda s=s: s.update_priority(index, low)) for name, s in samplers.items()},
-        setup={name: (lambda s=s: s.update_priority(index, high)) for name, s in samplers.items()},
-        repeats=repeats,
-    )
-    correct = True
-    for name, sampler in samplers.items():
-        assert float(sampler.default_priority) != 10.0
-        expected = second if priority[top] != second else float(priority.topk(2)[0][1])
-        got = float(sampler.default_priority)
-        # ours is exact; TorchRL inverts (p + eps) ** alpha from a float32 tree
-        tol = 0.0 if name == "fastreplay" else 1e-5
-        correct &= math.isclose(got, expected, rel_tol=tol)
-    del samplers
-    return Result(
-        NAME,
-        f"lower the max item, {fmt_count(capacity)} capacity",
-        times["fastreplay"],
-        times.get("torchrl"),
-        correct,
-        params={"capacity": capacity, "alpha": ALPHA, "torchrl_max_within_buffer": True},
-    )
-
-
-def _online_step(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
-    """Extend 16 new items (default priority), sample 256, update those 256 priorities."""
-    gen = torch.Generator().manual_seed(capacity + 1)
-    samplers = {"fastreplay": PrioritizedSampler(capacity, ALPHA, BETA)}
+def _samplers(capacity: int, backends: list[str], torchrl_ok: bool, **kwargs) -> dict:
+    samplers = {b: PrioritizedSampler(capacity, ALPHA, BETA, backend=b) for b in backends}
     if torchrl_ok:  # TorchRL's default configuration, compiled C++ trees
-        samplers["torchrl"] = TorchRLSampler(capacity, ALPHA, BETA)
-    init = TensorDict({"obs": torch.arange(capacity, dtype=torch.float32)}, [capacity])
-    init["td_error"] = torch.rand(capacity, generator=gen)
-    new = TensorDict({"obs": torch.zeros(16)}, [16])
+        samplers["torchrl"] = TorchRLSampler(capacity, ALPHA, BETA, **kwargs)
+    return samplers
+
+
+def _results(case: str, times: dict[str, float], correct: bool, params: dict, **extra) -> list:
+    return [
+        Result(
+            NAME,
+            f"{case} [{name}]",
+            seconds,
+            times.get("torchrl"),
+            correct,
+            params={**params, "backend": name},
+            extra={key: value.get(name) for key, value in extra.items()},
+        )
+        for name, seconds in times.items()
+        if name != "torchrl"
+    ]
+
+
+def _calls(capacity: int, backends: list[str], repeats: int, torchrl_ok: bool) -> list[Result]:
+    """Extend 16, sample(256), update_priority(256) and the whole online step, per backend."""
+    gen = torch.Generator().manual_seed(capacity + 1)
+    samplers = _samplers(capacity, backends, torchrl_ok)
+    errors = torch.rand(capacity, generator=gen) + 0.05
     buffers = {}
     for name, sampler in samplers.items():
         rb = TensorDictReplayBuffer(
             storage=LazyTensorStorage(capacity), sampler=sampler, priority_key="td_error"
         )
-        for start in range(0, capacity, CHUNK):
-            rb.extend(init[start : start + CHUNK])
+        with progress(capacity, f"fill {name}") as advance:
+            for start in range(0, capacity, CHUNK):
+                stop = min(start + CHUNK, capacity)
+                obs = torch.arange(start, stop, dtype=torch.float32)
+                rb.extend(TensorDict({"obs": obs, "td_error": errors[start:stop]}, [stop - start]))
+                advance(stop - start)
         buffers[name] = rb
+    n = 3 * repeats
+    new = TensorDict({"obs": torch.zeros(16)}, [16])
+    updates = [
+        (torch.randint(capacity, (256,), generator=gen), torch.rand(256, generator=gen) + 0.05)
+        for _ in range(n + 1)
+    ]
+    params = {"capacity": capacity, "alpha": ALPHA, "beta": BETA}
+    results = []
+
+    # identical calls on every side: the leaves must stay identical across backends
+    ext = interleaved_seconds(
+        {k: (lambda rb=rb: rb.extend(new.clone())) for k, rb in buffers.items()}, repeats=n
+    )
+    smp = interleaved_seconds(
+        {
+            k: (lambda s=s, rb=rb: s.sample(rb.storage, 256))
+            for k, (s, rb) in _pairs(samplers, buffers)
+        },
+        repeats=n,
+    )
+    it = {k: iter(updates) for k in samplers}
+    upd = interleaved_seconds(
+        {k: (lambda s=s, k=k: s.update_priority(*next(it[k]))) for k, s in samplers.items()},
+        repeats=n,
+    )
+    correct = _consistent(samplers, capacity)
 
     def step(rb: TensorDictReplayBuffer) -> None:
         rb.extend(new.clone())
         batch = rb.sample(256)
         rb.update_priority(batch["index"], batch["obs"].abs().add(0.1))
 
-    times = interleaved_seconds(
-        {name: (lambda rb=rb: step(rb)) for name, rb in buffers.items()}, repeats=3 * repeats
+    whole = interleaved_seconds(
+        {k: (lambda rb=rb: step(rb)) for k, rb in buffers.items()}, repeats=n
     )
-    ours = samplers["fastreplay"]
-    correct = ours.default_priority == float(ours._trees.raw().max())
-    batch = buffers["fastreplay"].sample(256)
-    correct &= bool(torch.isfinite(batch["priority_weight"]).all())
-    del buffers, samplers, init
-    return Result(
-        NAME,
-        f"online PER step (extend 16, sample 256, update 256), {fmt_count(capacity)}",
-        times["fastreplay"],
-        times.get("torchrl"),
+    for name in backends:
+        ours = samplers[name]
+        correct &= ours._default_value() == float(ours._trees.raw().max())  # exact live max
+        batch = buffers[name].sample(256)
+        correct &= bool(torch.isfinite(batch["priority_weight"]).all())
+    label = fmt_count(capacity)
+    results += _results(f"extend 16 (buffer), {label}", ext, correct, params)
+    results += _results(f"sample(256), {label}", smp, correct, params)
+    results += _results(f"update_priority(256), {label}", upd, correct, params)
+    results += _results(
+        f"online PER step (extend 16, sample 256, update 256), {label}", whole, correct, params
+    )
+    del buffers, samplers
+    return results
+
+
+def _pairs(samplers: dict, buffers: dict):
+    return ((k, (s, buffers[k])) for k, s in samplers.items())
+
+
+def _consistent(samplers: dict, capacity: int) -> bool:
+    """Same raw leaves on every backend, close masses, total close to TorchRL's."""
+    ours = [s for k, s in samplers.items() if k != "torchrl"]
+    first = ours[0]._trees
+    correct = True
+    for other in ours[1:]:
+        correct &= torch.equal(first.raw(), other._trees.raw())
+        correct &= torch.allclose(first.leaf_mass(), other._trees.leaf_mass(), rtol=1e-6, atol=0)
+        correct &= math.isclose(first.total(), other._trees.total(), rel_tol=1e-9)
+    if "torchrl" in samplers:
+        theirs = samplers["torchrl"]._sum_tree.query(0, capacity)
+        correct &= math.isclose(first.total(), theirs, rel_tol=1e-4)
+    return bool(correct)
+
+
+_BULK_CHILD = """
+import gc, json, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+name, capacity = sys.argv[1], int(sys.argv[2])
+if name == "torchrl":
+    from torchrl.data import PrioritizedSampler
+    sampler = PrioritizedSampler(capacity, 0.7, 0.5)
+else:
+    from fastreplay import PrioritizedSampler
+    sampler = PrioritizedSampler(capacity, 0.7, 0.5, backend=name)
+gen = torch.Generator().manual_seed(capacity + 2)
+index = torch.randperm(capacity, generator=gen)
+priority = torch.rand(capacity, generator=gen) + 0.05
+sampler.update_priority(index[:16], priority[:16])  # compile or load kernels first
+def status(field):
+    with open("/proc/self/status") as file:
+        return next(int(l.split()[1]) * 1024 for l in file if l.startswith(field))
+gc.collect()
+with open("/proc/self/clear_refs", "w") as file:
+    file.write("5")  # reset the peak resident set size (VmHWM) to the current one
+before = status("VmRSS")
+t0 = time.perf_counter()
+sampler.update_priority(index, priority)
+seconds = time.perf_counter() - t0
+peak = status("VmHWM") - before
+total = sampler._sum_tree.query(0, capacity) if name == "torchrl" else sampler._trees.total()
+live = float(priority.max()) if name == "torchrl" else sampler._default_value()
+ok = live == float(priority.max())
+print(json.dumps({"seconds": seconds, "peak": peak, "total": total, "ok": ok}))
+"""
+
+
+def _bulk(capacity: int, backends: list[str], torchrl_ok: bool) -> list[Result]:
+    """One update_priority call writing every slot (random order), each in a fresh process.
+
+    A fresh process per side, so that the peak extra resident memory (``VmHWM`` after a
+    reset, minus ``VmRSS`` before) is not hidden by memory an earlier case freed.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = {}
+    for name in [*backends, *(["torchrl"] if torchrl_ok else [])]:
+        out = subprocess.run(
+            [sys.executable, "-c", _BULK_CHILD, name, str(capacity), str(torch.get_num_threads())],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    first = runs[backends[0]]["total"]
+    correct = all(run["ok"] for run in runs.values())
+    correct &= all(math.isclose(run["total"], first, rel_tol=1e-4) for run in runs.values())
+    return _results(
+        f"update_priority(all {fmt_count(capacity)}), one call",
+        {name: run["seconds"] for name, run in runs.items()},
         correct,
-        params={"capacity": capacity, "alpha": ALPHA, "beta": BETA},
+        {"capacity": capacity},
+        peak_extra_bytes={name: run["peak"] for name, run in runs.items()},
+        torchrl_peak_extra_bytes={name: runs.get("torchrl", {}).get("peak") for name in backends},
+    )
+
+
+def _lower_max(capacity: int, backends: list[str], repeats: int, torchrl_ok: bool) -> list:
+    """Re-prioritise the current max item below the rest: the live max must move."""
+    gen = torch.Generator().manual_seed(capacity)
+    priority = torch.rand(capacity, generator=gen) + 0.5  # in [0.5, 1.5)
+    top = int(priority.argmax())
+    second = float(priority.topk(2)[0][1])
+    samplers = _samplers(capacity, backends, torchrl_ok, max_priority_within_buffer=True)
+    for sampler in samplers.values():
+        _fill(sampler, capacity, priority)
+    index, high, low = torch.tensor([top]), torch.tensor([10.0]), torch.tensor([0.1])
+    correct = True
+    times = interleaved_seconds(
+        {name: (lambda s=s: s.update_priority(index, low)) for name, s in samplers.items()},
+        setup={name: (lambda s=s: s.update_priority(index, high)) for name, s in samplers.items()},
+        repeats=repeats,
+    )
+    for name, sampler in samplers.items():
+        got = float(sampler.default_priority) if name == "torchrl" else sampler._default_value()
+        # ours is exact; TorchRL inverts (p + eps) ** alpha from a float32 tree
+        tol = 1e-5 if name == "torchrl" else 0.0
+        correct &= math.isclose(got, second, rel_tol=tol)
+    del samplers
+    return _results(
+        f"lower the max item, {fmt_count(capacity)} capacity",
+        times,
+        correct,
+        {"capacity": capacity, "alpha": ALPHA, "torchrl_max_within_buffer": True},
     )
 
 
@@ -139,10 +305,9 @@ def _dumps_loads(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
     samplers = {"fastreplay": PrioritizedSampler(capacity, ALPHA, BETA)}
     if torchrl_ok:
         samplers["torchrl"] = TorchRLSampler(capacity, ALPHA, BETA)
-    correct = True
+    times, correct = {}, True
     root = Path(tempfile.mkdtemp(prefix="fastreplay-per-"))
     try:
-        round_trips, fresh_makers, holders = {}, {}, {}
         for name, sampler in samplers.items():
             _fill(sampler, capacity, priority)
             path = root / name
@@ -157,10 +322,8 @@ def _dumps_loads(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
                 sampler.dumps(path)
                 holder[0].loads(path)
 
-            round_trips[name], fresh_makers[name], holders[name] = round_trip, make_fresh, holder
-        times = interleaved_seconds(round_trips, setup=fresh_makers, repeats=max(3, repeats // 2))
-        for name, sampler in samplers.items():
-            fresh = holders[name][0]
+            times[name] = median_seconds(round_trip, setup=make_fresh, repeats=max(3, repeats // 2))
+            fresh = holder[0]
             if name == "fastreplay":
                 correct &= all(
                     torch.equal(a, b)
@@ -184,12 +347,13 @@ def _dumps_loads(capacity: int, repeats: int, torchrl_ok: bool) -> Result:
 
 def run(args: argparse.Namespace) -> list[Result]:
     torchrl_ok = _torchrl_ok()
+    chosen = args.per_backends or ",".join(available_backends())
+    backends = [b.strip() for b in chosen.split(",") if b.strip()]
     results = []
-    online_max = parse_counts(args.per_online_max)[0]
     for capacity in parse_counts(args.per_capacity):
-        results.append(_lower_max(capacity, args.repeats, torchrl_ok))
-        if capacity <= online_max:
-            results.append(_online_step(capacity, args.repeats, torchrl_ok))
+        results += _calls(capacity, backends, args.repeats, torchrl_ok)
+        results += _bulk(capacity, backends, torchrl_ok)
+        results += _lower_max(capacity, backends, args.repeats, torchrl_ok)
     for capacity in parse_counts(args.per_dumps_capacity):
         results.append(_dumps_loads(capacity, args.repeats, torchrl_ok))
     return results

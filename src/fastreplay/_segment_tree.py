@@ -39,15 +39,19 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["PriorityTrees"]
+__all__ = ["BACKENDS", "PriorityTrees", "available_backends", "make_trees"]
 
 _INF = math.inf
 # Batches larger than this dedupe parents per level (one sort, then ``unique_consecutive``);
 # smaller ones skip that (two ops per call are cheaper than a few redundant reductions).
 _DEDUPE_ABOVE = 256
+# Writes of more than ``capacity / _BULK`` leaves copy the leaf rows in place and rebuild every
+# internal node (O(capacity), no per-level temporaries) instead of walking their ancestors.
+_BULK = 64
 
 
 class PriorityTrees:
@@ -60,6 +64,9 @@ class PriorityTrees:
 
     Memory is ``3 * 8 * capacity * (1 + 1 / (branching - 1))`` bytes (about 24 bytes a slot).
 
+    :func:`make_trees` builds these or :class:`fastreplay._segment_tree_numba.
+    NumbaPriorityTrees` (same interface, compiled loops on the CPU); ``backend`` names which.
+
     Example:
         >>> import torch
         >>> trees = PriorityTrees(50, branching=4)
@@ -68,6 +75,8 @@ class PriorityTrees:
         >>> trees.total(), trees.written().sum().item()
         (49.0, 49)
     """
+
+    backend = "torch"
 
     def __init__(
         self, capacity: int, *, device: torch.device | str | None = None, branching: int = 32
@@ -129,12 +138,26 @@ class PriorityTrees:
         ``index`` must hold distinct, in-range slots (the caller dedupes); ``mass`` and ``raw``
         have the same length. Every level costs a fixed number of vectorized ops.
         """
-        mass = mass.to(device=self.device, dtype=torch.float64)
-        raw = raw.to(device=self.device, dtype=torch.float64)
+        mass = mass.to(device=self.device, dtype=torch.float64).reshape(-1)
+        raw = raw.to(device=self.device, dtype=torch.float64).reshape(-1)
+        if index.numel() * _BULK > self.capacity:  # bulk: write rows in place, then rebuild
+            index = index.to(device=self.device, dtype=torch.long).reshape(-1)
+            leaves = self.levels[0]
+            leaves[0].index_copy_(0, index, mass)
+            leaves[1].index_copy_(0, index, mass)
+            leaves[2].index_copy_(0, index, raw.neg())
+            self.rebuild()
+            return
         self._write(index, torch.stack([mass, mass, -raw]))
 
     def clear(self, index: torch.Tensor) -> None:
         """Reset leaves ``index`` to the neutral (unwritten) state; O(k log_B capacity)."""
+        if index.numel() * _BULK > self.capacity:
+            index = index.to(device=self.device, dtype=torch.long).reshape(-1)
+            for row, value in enumerate((0.0, _INF, _INF)):
+                self.levels[0][row].index_fill_(0, index, value)
+            self.rebuild()
+            return
         self._write(index, self._neutral[:, None].expand(3, index.numel()))
 
     def reset(self) -> None:
@@ -202,7 +225,7 @@ class PriorityTrees:
         b = self.branching
         prefix = original = prefix.to(device=self.device, dtype=torch.float64).reshape(-1)
         node = torch.zeros_like(prefix, dtype=torch.long)
-        if len(self.levels) == 1:  # capacity 1: the root is the only leaf
+        if len(self.levels) == 1 or prefix.numel() == 0:  # capacity 1: the root is the leaf
             return node
         for level in reversed(self.levels[:-1]):
             if not guard:  # an overshoot may have picked a padding node: stay in range
@@ -218,8 +241,11 @@ class PriorityTrees:
                 choice = choice.clamp_max_(b - 1)
             prefix = prefix - (cumsum - children).gather(1, choice)[:, 0]
             node = node.mul_(b).add_(choice[:, 0])
-        if not guard and not bool(self.levels[0][0].index_select(0, node).gt(0).all()):
-            return self.search(original, guard=True)  # rare: rounding reached an empty slot
+        if not guard and not (
+            bool(self.levels[0][0].index_select(0, node).gt(0).all())
+            and float(original.max()) < self.total()
+        ):  # rare: rounding reached an empty slot, or a prefix beyond the total was clamped
+            return self.search(original, guard=True)
         return node
 
     # ------------------------------------------------------------------ persistence
@@ -231,3 +257,66 @@ class PriorityTrees:
         self._strides = self._strides.to(self.device)
         self._positions = self._positions.to(self.device)
         return self
+
+
+# ---------------------------------------------------------------------- backends
+BACKENDS = ("torch", "numba")
+
+
+def available_backends() -> tuple[str, ...]:
+    """The tree backends that work in this environment (``"torch"`` always does)."""
+    from fastreplay._segment_tree_numba import NUMBA_AVAILABLE
+
+    return ("torch", "numba") if NUMBA_AVAILABLE else ("torch",)
+
+
+def make_trees(
+    capacity: int,
+    *,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+    branching: int | None = None,
+) -> Any:
+    """Build priority trees with the :class:`PriorityTrees` interface on ``backend``.
+
+    Args:
+        capacity: number of leaf slots.
+        backend: ``"numba"`` (compiled loops, CPU only, needs the optional numba),
+            ``"torch"`` (pure torch, any device) or ``None``: numba when it is installed and
+            the trees live on the CPU, else torch.
+        device: where the trees live (CPU by default).
+        branching: fan-out of every internal node; ``None`` takes the backend's default
+            (32 for torch, where the number of levels sets the cost; 8 for numba, where the
+            memory touched per level does).
+
+    Raises:
+        ValueError: an unknown ``backend``, or one that cannot run here (numba missing, or
+            a non-CPU ``device`` with ``backend="numba"``); the message says the fix.
+
+    Example:
+        >>> make_trees(7, backend="torch").backend
+        'torch'
+    """
+    from fastreplay._segment_tree_numba import NUMBA_AVAILABLE, NumbaPriorityTrees
+
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be None, 'torch' or 'numba', got backend={backend!r}; None picks "
+            "numba when it is installed and the trees are on the CPU"
+        )
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if backend is None:
+        backend = "numba" if NUMBA_AVAILABLE and on_cpu else "torch"
+    if backend == "numba":
+        if not NUMBA_AVAILABLE:
+            raise ValueError(
+                "backend='numba' needs the numba package, which is not installed: "
+                "pip install 'fastreplay[fast]', or pass backend='torch' (or None)"
+            )
+        if not on_cpu:
+            raise ValueError(
+                f"backend='numba' keeps the priority trees on the CPU, got device={device}: "
+                "pass backend='torch' (or None) for trees on another device"
+            )
+        return NumbaPriorityTrees(capacity, device=device, branching=branching or 8)
+    return PriorityTrees(capacity, device=device, branching=branching or 32)

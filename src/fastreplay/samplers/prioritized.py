@@ -20,7 +20,8 @@ import torch
 from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from fastreplay._segment_tree import PriorityTrees
+from fastreplay._segment_tree import PriorityTrees, make_trees
+from fastreplay._segment_tree_numba import OK as _OK
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 
 __all__ = [
@@ -179,6 +180,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         *,
         upper_priority: float = math.inf,
         initial_priority: float = 1.0,
+        backend: str | None = None,
     ) -> None:
         # TorchRL's __init__ would build its compiled trees: set the same attributes instead.
         if isinstance(max_capacity, bool) or not isinstance(max_capacity, int):
@@ -217,13 +219,20 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._upper_priority = float(upper_priority)
         self._initial_priority = float(initial_priority)
         self._fr_lock = threading.RLock()
+        self._backend_choice = backend
         self._init()
         self._check_mass(self._default_value(), what="initial_priority")
 
     # ------------------------------------------------------------------ state
-    def _new_trees(self, slots: int) -> PriorityTrees:
-        """Empty trees over ``slots`` slots on this sampler's device."""
-        return PriorityTrees(slots, device=self._device)
+    def _new_trees(self, slots: int, backend: str | None = None) -> PriorityTrees:
+        """Empty trees over ``slots`` slots on this sampler's device and tree backend."""
+        choice = self._backend_choice if backend is None else backend
+        return make_trees(slots, backend=choice, device=self._device)
+
+    @property
+    def _fused(self) -> bool:
+        """Whether the trees run the compiled (numba) check/write/sample kernels."""
+        return self._trees.backend == "numba"
 
     def _init(self) -> None:
         self._slots = self._max_capacity
@@ -262,11 +271,30 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         """Device holding the priority trees."""
         return self._trees.device
 
+    @property
+    def backend(self) -> str:
+        """Tree backend in use: ``"numba"`` (compiled loops, CPU) or ``"torch"`` (any device).
+
+        Chosen by the ``backend`` argument; ``None`` picks numba when it is installed and the
+        trees are on the CPU, and switches to torch if a CUDA storage moves the trees.
+        """
+        return self._trees.backend
+
     def _maybe_init_from_storage(self, storage: Storage | None) -> None:
+        # Hot path: nothing to do for CPU storages and a fixed device (no device parsing).
+        device = self._device if self._device is not None else getattr(storage, "device", None)
+        if device is None or device == self._trees.device or device in ("auto", "cpu"):
+            return
         device = self._tree_device_from_storage(storage)
         if device is not None and device != self._trees.device:
             self._device = device
-            self._trees.to(device)  # move, keeping the priorities (TorchRL resets them)
+            old = self._trees
+            if self._backend_choice is None and device.type != "cpu" and old.backend != "torch":
+                # numba trees live on the CPU: follow the storage on the torch backend
+                self._trees = self._new_trees(self._slots, backend="torch")
+                self._trees.set_leaves(old.leaf_mass(), old.raw())
+            else:
+                self._trees.to(device)  # move, keeping the priorities (TorchRL resets them)
 
     @property
     def upper_priority(self) -> float:
@@ -416,7 +444,6 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         return stored
 
     @_locked
-    @torch.no_grad()
     def update_priority(
         self,
         index: int | torch.Tensor,
@@ -443,43 +470,90 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         Repeated indices: the last occurrence wins, as in TorchRL.
         """
         self._maybe_init_from_storage(storage)
-        index = torch.as_tensor(index) if not isinstance(index, tuple) else index
+        if (  # numba fast path: flat CPU indices and float priorities go straight to the kernels
+            self._fused
+            and type(index) is torch.Tensor
+            and type(priority) is torch.Tensor
+            and index.dtype == torch.long
+            and index.ndim == 1
+            and priority.dtype in _FLOAT_DTYPES
+            and priority.numel() in (1, index.numel())
+            and index.is_cpu
+            and priority.is_cpu
+            and index.numel() > 0
+        ):
+            if priority.ndim != 1 or priority.requires_grad:
+                priority = priority.detach().reshape(-1)
+            self._write(index, priority, self._stored(storage))
+            return
         flat = self._flat_index(index, storage)
         priority = torch.as_tensor(priority, device=self.device).detach()
-        if priority.dtype == torch.bool or priority.is_complex():
-            raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
-        if priority.numel() == 1:
-            priority = priority.reshape(1).expand(flat.numel())
-        elif priority.numel() != flat.numel():
+        if priority.dtype not in _FLOAT_DTYPES:  # ints, float16, bfloat16: exact in float64
+            if priority.dtype == torch.bool or priority.is_complex():
+                raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
+            priority = priority.to(torch.float64)
+        if priority.numel() != 1 and priority.numel() != flat.numel():
             raise PriorityShapeError(
                 f"priority has {priority.numel()} elements (shape {tuple(priority.shape)}) but "
                 f"index has {flat.numel()} (shape {tuple(torch.as_tensor(index).shape)}): pass "
                 "one priority per index or a single number; nothing was updated"
             )
-        else:
-            priority = priority.reshape(-1)
         if flat.numel() == 0:
             return
-        self._write(flat, priority.to(torch.float64), self._stored(storage))
+        self._write(flat, priority.reshape(-1), self._stored(storage))
 
     def _write(self, flat: torch.Tensor, raw: torch.Tensor, stored: int) -> None:
-        checked = self._validate(flat, raw, stored)
-        if checked is None:
-            return
-        flat, raw, p_max = checked
-        self._check_mass(p_max, what="priority")
+        """Check, then write raw priorities ``raw`` (one per slot, or one for all) at ``flat``.
+
+        Repeated slots: the last occurrence wins, as in TorchRL. Atomic: any bad entry raises
+        before anything is written.
+        """
+        if self._fused:  # numba: one checking pass, then one writing pass, no temporaries
+            index_np, raw_np = flat.numpy(), raw.numpy()
+            f32 = self.dtype == torch.float32
+            status, p_max, _ = self._trees.check_priorities(
+                index_np, raw_np, stored, self._eps, self._alpha, f32
+            )
+            if status != _OK:
+                self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
+                raise AssertionError(f"unreported bad priority write (status {status})")
+            self._check_mass(p_max, what="priority")
+            self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
+        else:
+            # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all
+            # chunks are checked before any is written, and later chunks overwrite earlier
+            # ones, so the last occurrence of a slot still wins.
+            raw = raw.expand(flat.shape)
+            step = max(self._slots // 8, self._bulk_chunk)
+            chunks = [(flat[i : i + step], raw[i : i + step]) for i in range(0, raw.numel(), step)]
+            if len(chunks) > 1:
+                for index, values in chunks:
+                    self._validate(index, values.to(torch.float64), stored)
+            p_max = -math.inf
+            for index, values in chunks:
+                checked = self._validate(index, values.to(torch.float64), stored)
+                if checked is not None:
+                    p_max = max(p_max, checked[2])
+                    self._write_torch(checked[0], checked[1])
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
-            self._all_time_at = int(flat[raw.argmax()])  # read by the _max_priority view
+            # Rare (a new all-time max): find its slot for the _max_priority view. O(k).
+            checked = self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
+            if checked is not None:
+                self._all_time_at = int(checked[0][checked[1].argmax()])
+            self._all_time_max = p_max
+
+    _bulk_chunk = 1 << 18  # smallest chunk of a bulk write on the torch backend
+
+    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor) -> None:
+        """Write checked float64 priorities on the torch backend (last occurrence wins)."""
         if flat.numel() > 1:
-            # Repeated slots: the last occurrence wins, as in TorchRL.
             # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
             flat, order = torch.sort(flat, stable=True)
             last = torch.ones_like(flat, dtype=torch.bool)
             torch.ne(flat[1:], flat[:-1], out=last[:-1])
             keep = last.nonzero().squeeze(1)
-            flat, raw = flat.index_select(0, keep), raw.index_select(0, order.index_select(0, keep))
-        if not self._max_priority_within_buffer:
-            self._all_time_max = max(self._all_time_max, p_max)
+            flat = flat.index_select(0, keep)
+            raw = raw.index_select(0, order.index_select(0, keep))
         self._trees.update(flat, self._mass(raw), raw)
 
     def _validate(
@@ -509,10 +583,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             if bool(bad_p.any()):
                 problems.append(f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)}")
             raise ValueError("; ".join(problems) + "; nothing was updated")
+        self._check_mass(p_max, what="priority")  # the mass is monotone: check the largest
         return flat, raw, p_max
 
     @_locked
-    @torch.no_grad()
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
         """Give freshly written items :attr:`default_priority`; O(k log capacity).
 
@@ -524,21 +598,28 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if flat.numel() == 0:
             return
         stored = self._stored(storage)
+        zero = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self._max_priority_within_buffer:
-            # Clear the overwritten slots first if one of them holds the live max.
-            valid = flat.clamp(0, self._slots - 1)
-            old = self._trees.levels[0][2].index_select(0, valid)
-            if bool((old <= self._trees.levels[-1][2, 0]).any()):
-                zeros = torch.zeros(flat.shape, dtype=torch.float64, device=self.device)
-                checked = self._validate(flat, zeros, stored)  # raises before any change
-                if checked is not None:
-                    self._trees.clear(checked[0])
-        raw = torch.full(flat.shape, self._default_value(), dtype=torch.float64, device=self.device)
-        self._write(flat, raw, stored)
+            if self._fused:
+                index_np = flat.numpy()
+                status, _, _ = self._trees.check_priorities(
+                    index_np, zero.numpy(), stored, self._eps, self._alpha, False
+                )
+                if status != _OK:  # raises before any change
+                    self._validate(flat, zero.expand(flat.shape), stored)
+                self._trees.clear_if_holds_max(index_np)
+            else:
+                # Clear the overwritten slots first if one of them holds the live max.
+                valid = flat.clamp(0, self._slots - 1)
+                old = self._trees.levels[0][2].index_select(0, valid)
+                if bool((old <= self._trees.levels[-1][2, 0]).any()):
+                    checked = self._validate(flat, zero.expand(flat.shape), stored)  # raises first
+                    if checked is not None:
+                        self._trees.clear(checked[0])
+        self._write(flat, zero.fill_(self._default_value()), stored)
 
     # ------------------------------------------------------------------ sampling
     @_locked
-    @torch.no_grad()
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """Draw ``batch_size`` indices with replacement; O(batch_size log capacity).
 
@@ -568,9 +649,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         rng = self._rng
         rand_device = rng.device if rng is not None else self.device
         draw = torch.rand(batch_size, dtype=torch.float64, device=rand_device, generator=rng)
-        index = self._trees.search(draw.to(self.device) * total)
-        mass = self._trees.mass(index)
-        weight = torch.pow(mass / m_min, -self._beta).to(self.dtype)
+        if self._fused:  # one compiled pass: descent, leaf mass and weight
+            f32 = self.dtype == torch.float32
+            draw_np = draw.numpy() if rand_device.type == "cpu" else draw.cpu().numpy()
+            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32)
+        else:
+            index = self._trees.search(draw.to(self.device) * total)
+            weight = torch.pow(self._trees.mass(index) / m_min, -self._beta).to(self.dtype)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
@@ -778,5 +863,5 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         return (
             f"{type(self).__name__}(max_capacity={self._max_capacity}, alpha={self._alpha}, "
             f"beta={self._beta}, eps={self._eps}, reduction={self.reduction}, "
-            f"upper_priority={self._upper_priority})"
+            f"upper_priority={self._upper_priority}, backend={self.backend!r})"
         )

@@ -1,0 +1,247 @@
+"""PrioritizedSampler on every tree backend present: oracle, cross-backend identity, errors.
+
+The ``backend`` fixture runs each test on the pure-torch trees and, where numba is installed,
+on the compiled ones (skipped with a reason otherwise). Where TorchRL's compiled extension
+loads, the sampler is also checked against TorchRL's own sampler fed the same calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torchrl.data as trl
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+import fastreplay._segment_tree_numba as numba_trees
+from conftest import requires_cuda, requires_torchrl_ext
+from fastreplay import PrioritizedSampler
+
+requires_numba = pytest.mark.skipif(
+    not numba_trees.NUMBA_AVAILABLE,
+    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
+)
+
+
+@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _buffer(sampler: PrioritizedSampler, capacity: int) -> TensorDictReplayBuffer:
+    return TensorDictReplayBuffer(
+        storage=LazyTensorStorage(capacity), sampler=sampler, priority_key="td_error"
+    )
+
+
+def _rows(start: int, n: int, priority: torch.Tensor | None = None) -> TensorDict:
+    data = {"obs": torch.arange(start, start + n) * 10_000}
+    if priority is not None:
+        data["td_error"] = priority
+    return TensorDict(data, [n])
+
+
+@pytest.mark.parametrize("capacity", [7, 50, 1023])
+def test_brute_force_oracle(backend: str, capacity: int) -> None:
+    """Random extends (wrap-around), updates with repeats and -1 markers, alpha changes."""
+    gen = torch.Generator().manual_seed(capacity)
+    sampler = PrioritizedSampler(capacity, 0.6, 0.4, eps=1e-3, backend=backend)
+    assert sampler.backend == backend
+    rb = _buffer(sampler, capacity)
+    raw = torch.full((capacity,), -math.inf, dtype=torch.float64)
+    written = 0
+    for step in range(30):
+        if step % 3 == 0:  # new items: the live max of what stays stored
+            n = int(torch.randint(1, capacity + 1, (1,), generator=gen))
+            slots = (torch.arange(written, written + n) % capacity).unique()
+            raw[slots] = -math.inf
+            live = raw.max().item()
+            rb.extend(_rows(written, n))
+            raw[slots] = live if live > -math.inf else 1.0
+            written += n
+        elif step % 7 == 5:
+            sampler.alpha = [0.0, 0.6, 1.3][step % 3]
+        else:
+            stored = min(written, capacity)
+            k = int(torch.randint(1, 3 * capacity, (1,), generator=gen))
+            index = torch.randint(-1, stored, (k,), generator=gen)
+            priority = torch.rand(k, generator=gen) * 5
+            sampler.update_priority(index, priority, storage=rb.storage)
+            for i, p in zip(index.tolist(), priority.double().tolist(), strict=True):
+                if i != -1:
+                    raw[i] = p  # last occurrence wins
+        assert torch.equal(sampler._trees.raw(), raw)
+        mass = torch.where(raw > -math.inf, (raw + 1e-3) ** sampler.alpha, 0.0).float()
+        torch.testing.assert_close(sampler._trees.leaf_mass(), mass.double(), rtol=1e-6, atol=0)
+        assert sampler.default_priority == raw.max().item()
+        assert sampler._trees.total() == pytest.approx(mass.double().sum().item(), rel=1e-9)
+    index, info = sampler.sample(rb.storage, 500)
+    assert (raw[index] > -math.inf).all()
+    m = sampler._trees.leaf_mass()
+    expected = (m[index] / m[m > 0].min()) ** -0.4
+    torch.testing.assert_close(info["priority_weight"], expected.float())
+
+
+@requires_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backends_sample_identically(dtype: torch.dtype) -> None:
+    """Same calls and seed on both backends: same indices, same weights (exact masses)."""
+    samplers = [
+        PrioritizedSampler(1023, 1.0, 1.0, eps=0.0, dtype=dtype, backend=b)
+        for b in ("torch", "numba")
+    ]
+    buffers = [_buffer(s, 1023) for s in samplers]
+    gen = torch.Generator().manual_seed(3)
+    for rb in buffers:
+        rb.extend(_rows(0, 1500, torch.randint(1, 50, (1500,), generator=gen).float()))
+        gen.manual_seed(3)
+    for rb in buffers:
+        rb.extend(_rows(1500, 16))  # default priority: the live max
+    out = []
+    for s, rb in zip(samplers, buffers, strict=True):
+        torch.manual_seed(11)
+        out.append(s.sample(rb.storage, 4000))
+        torch.manual_seed(11)
+        batch = rb.sample(64)
+        out.append((batch["index"], {"priority_weight": batch["priority_weight"]}))
+    for (i1, w1), (i2, w2) in [(out[0], out[2]), (out[1], out[3])]:
+        assert torch.equal(i1, i2)
+        assert torch.equal(w1["priority_weight"], w2["priority_weight"])
+        assert w1["priority_weight"].dtype == dtype
+    assert torch.equal(samplers[0]._trees.raw(), samplers[1]._trees.raw())
+
+
+def test_bad_input_rejected_atomically(backend: str) -> None:
+    sampler = PrioritizedSampler(50, 1.0, 0.5, backend=backend)
+    rb = _buffer(sampler, 50)
+    rb.extend(_rows(0, 20, torch.rand(20) + 0.1))
+    before = [level.clone() for level in sampler._trees.levels]
+    cases = [
+        (torch.tensor([1, 2]), torch.tensor([1.0, math.nan]), ValueError, r"index 2: nan"),
+        (torch.tensor([1, 2]), torch.tensor([math.inf, 1.0]), ValueError, r"index 1: inf"),
+        (torch.tensor([3]), torch.tensor([-0.5]), ValueError, r"finite and >= 0.*index 3: -0.5"),
+        (torch.tensor([1, 25]), torch.tensor([1.0, 2.0]), ValueError, r"stored range \[0, 20\)"),
+        (torch.tensor([1, -2]), torch.tensor([1.0, 2.0]), ValueError, r"stored range.*-2"),
+        (torch.tensor([1, 2, 3]), torch.ones(2), ValueError, r"priority has 2 elements"),
+        (
+            torch.tensor([4]),
+            torch.tensor([1e39], dtype=torch.float64),
+            OverflowError,
+            "fit dtype=float32",
+        ),
+        (torch.tensor([1.0]), torch.ones(1), TypeError, "index must hold integers"),
+        (torch.tensor([1]), torch.tensor([True]), TypeError, "priority must be real numbers"),
+    ]
+    for index, priority, error, match in cases:
+        with pytest.raises(error, match=match):
+            sampler.update_priority(index, priority, storage=rb.storage)
+        assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
+    with pytest.raises(ValueError, match=r"stored range \[0, 20\)"):
+        sampler.mark_update(torch.tensor([3, 30]), storage=rb.storage)
+    assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.float64])
+def test_priority_dtypes(backend: str, dtype: torch.dtype) -> None:
+    sampler = PrioritizedSampler(7, 1.0, 0.5, backend=backend)
+    priority = torch.tensor([3, 1, 2]).to(dtype)
+    sampler.update_priority(torch.tensor([0, 5, 2]), priority)
+    sampler.update_priority(torch.tensor([1, 4]), torch.tensor([[2], [7]]).to(dtype))
+    assert sampler._trees.raw().tolist() == [3.0, 2.0, 2.0, -math.inf, 7.0, 1.0, -math.inf]
+
+
+def test_bulk_writes_in_chunks_stay_atomic_and_last_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch backend writes large batches chunk by chunk: same result, same atomicity."""
+    monkeypatch.setattr(PrioritizedSampler, "_bulk_chunk", 8)
+    chunked = PrioritizedSampler(50, 0.8, 0.5, backend="torch")
+    whole = PrioritizedSampler(50, 0.8, 0.5, backend="torch")
+    whole._bulk_chunk = 10**9
+    gen = torch.Generator().manual_seed(9)
+    index = torch.randint(-1, 50, (300,), generator=gen)  # repeats across chunks, -1 markers
+    priority = torch.rand(300, generator=gen)
+    for sampler in (chunked, whole):
+        sampler.update_priority(index, priority)
+    assert torch.equal(chunked._trees.raw(), whole._trees.raw())
+    expected = torch.full((50,), -math.inf, dtype=torch.float64)
+    for i, p in zip(index.tolist(), priority.double().tolist(), strict=True):
+        if i >= 0:
+            expected[i] = p
+    assert torch.equal(chunked._trees.raw(), expected)
+    before = [level.clone() for level in chunked._trees.levels]
+    bad = priority.clone()
+    bad[-1] = math.nan  # in the last chunk: nothing of the earlier chunks may be written
+    with pytest.raises(ValueError, match="nan"):
+        chunked.update_priority(index.clamp_min(0), bad + 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, chunked._trees.levels, strict=True))
+
+
+def test_backend_keyword_and_repr(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sampler = PrioritizedSampler(7, 0.5, 0.5, backend=backend)
+    assert sampler.backend == backend
+    assert f"backend={backend!r}" in repr(sampler)
+    default = PrioritizedSampler(7, 0.5, 0.5)
+    assert default.backend == ("numba" if numba_trees.NUMBA_AVAILABLE else "torch")
+    with pytest.raises(ValueError, match=r"got backend='fast'"):
+        PrioritizedSampler(7, 0.5, 0.5, backend="fast")
+    cuda_error = "keeps the priority trees" if numba_trees.NUMBA_AVAILABLE else "needs the numba"
+    with pytest.raises(ValueError, match=rf"backend='numba' {cuda_error}"):
+        PrioritizedSampler(7, 0.5, 0.5, device="cuda", backend="numba")
+    monkeypatch.setattr(numba_trees, "NUMBA_AVAILABLE", False)
+    assert PrioritizedSampler(7, 0.5, 0.5).backend == "torch"
+    with pytest.raises(ValueError, match=r"needs the numba package.*fastreplay\[fast\]"):
+        PrioritizedSampler(7, 0.5, 0.5, backend="numba")
+
+
+def test_checkpoints_cross_backends(backend: str, tmp_path) -> None:
+    """A state saved on one backend loads on the other, leaves and roots intact."""
+    other = "torch" if backend == "numba" else "numba"
+    if other == "numba" and not numba_trees.NUMBA_AVAILABLE:
+        other = "torch"
+    source = PrioritizedSampler(50, 0.7, 0.5, backend=backend)
+    rb = _buffer(source, 50)
+    rb.extend(_rows(0, 60, torch.rand(60) + 0.1))
+    target = PrioritizedSampler(50, 0.7, 0.5, backend=other)
+    target.load_state_dict(source.state_dict())
+    assert torch.equal(target._trees.raw(), source._trees.raw())
+    assert torch.equal(target._trees.leaf_mass(), source._trees.leaf_mass())
+    assert target.default_priority == source.default_priority
+    source.dumps(tmp_path)
+    again = PrioritizedSampler(50, 0.7, 0.5, backend=other)
+    again.loads(tmp_path)
+    assert torch.equal(again._trees.raw(), source._trees.raw())
+
+
+@requires_torchrl_ext
+def test_same_calls_as_torchrl(backend: str) -> None:
+    """TorchRL's sampler fed the same calls (all-time max, its default): same masses, weights."""
+    ours = PrioritizedSampler(1023, 0.7, 0.5, max_priority_within_buffer=False, backend=backend)
+    theirs = trl.PrioritizedSampler(1023, 0.7, 0.5)
+    gen = torch.Generator().manual_seed(5)
+    rbs = [_buffer(s, 1023) for s in (ours, theirs)]
+    data = _rows(0, 1100, torch.rand(1100, generator=gen) + 0.05)
+    for rb in rbs:
+        rb.extend(data.clone())
+        rb.extend(_rows(1100, 16))
+    index = torch.randint(1023, (300,), generator=gen)
+    priority = torch.rand(300, generator=gen)
+    for s, rb in zip((ours, theirs), rbs, strict=True):
+        s.update_priority(index, priority, storage=rb.storage)
+    assert ours.default_priority == pytest.approx(float(theirs.default_priority), rel=1e-6)
+    their_mass = torch.as_tensor(theirs._sum_tree[torch.arange(1023)], dtype=torch.float64)
+    torch.testing.assert_close(ours._trees.leaf_mass(), their_mass, rtol=1e-6, atol=0)
+    sample, info = ours.sample(rbs[0].storage, 256)
+    expected = (their_mass[sample] / their_mass.min()) ** -0.5
+    torch.testing.assert_close(info["priority_weight"], expected.float(), rtol=1e-5, atol=0)
+
+
+@requires_cuda
+def test_cuda_storage_switches_auto_backend_to_torch() -> None:
+    sampler = PrioritizedSampler(30, 0.7, 0.5)
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(30, device="cuda"), sampler=sampler, priority_key="td_error"
+    )
+    rb.extend(_rows(0, 10, torch.rand(10) + 0.1).to("cuda"))
+    assert sampler.backend == "torch" and sampler.device.type == "cuda"
+    assert sampler.default_priority == sampler._trees.raw()[:10].max().item()
