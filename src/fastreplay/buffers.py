@@ -18,6 +18,7 @@ import operator
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -170,8 +171,12 @@ class _PinnedSampleMixin:
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
         data, info = super()._sample(batch_size)
-        if is_tensor_collection(data) and not is_tensorclass(data):
-            data = _write_info(data, info)
+        if not is_tensor_collection(data) or is_tensorclass(data):
+            return self._finish(data, info)
+        data, info[_SHADOWED] = _write_info(data, info)
+        # ``info[_SHADOWED]``: the sample as the storage returned it, for
+        # ``sample(include_info=False)`` (popped there); its presence marks the metadata as
+        # written. It shares its leaves with ``data``, so pinning copies each leaf once.
         return self._finish(data, info)
 
     def sample(
@@ -190,7 +195,9 @@ class _PinnedSampleMixin:
         Args:
             batch_size: Size of the batch; defaults to the buffer's ``batch_size``.
             return_info: Whether to return ``(data, info)`` instead of ``data``.
-            include_info: Deprecated TorchRL alias; ``False`` drops the metadata keys.
+            include_info: Deprecated TorchRL argument; ``False`` returns the sample as the
+                storage (and transform) produced it, without the metadata: stored entries
+                named like it (a stored ``index`` or ``("next", "done")``) keep their values.
         """
         if include_info is not None:
             warnings.warn(
@@ -200,11 +207,17 @@ class _PinnedSampleMixin:
                 stacklevel=2,
             )
         data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
+        written = _SHADOWED in info
+        shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)
         if not is_tc and include_info in (True, None):
             raise RuntimeError("Cannot include info in non-tensordict data")
-        if is_tc and not is_tensorclass(data) and include_info is False:
-            data = data.exclude(*info.keys())
+        if is_tc and not is_tensorclass(data):
+            if include_info is False and written:
+                data = self._finish(shadowed, {})[0]  # what the storage returned
+            elif include_info is not False and not written:
+                # A queued sample restored from a checkpoint that TorchRL wrote.
+                data, _ = _write_info(data, info)
         if self._fr_pinning:
             # Leftovers only (TorchRL moves ``info`` to the storage device after ``_sample``, and
             # restored prefetch queues hold clones): pinned leaves are not copied again.
@@ -213,6 +226,16 @@ class _PinnedSampleMixin:
             return data, info
         return data
 
+    @contextlib.contextmanager
+    def _capture_prefetch_state(self, *, clone_queue: bool = True) -> Iterator[dict[str, Any]]:
+        """TorchRL's, with the queued samples in TorchRL's form (metadata not written yet).
+
+        Checkpoints (``state_dict``, ``dumps``, pickling) then load into either library; a
+        restored sample gets its metadata in :meth:`sample`. O(queued samples).
+        """
+        with super()._capture_prefetch_state(clone_queue=clone_queue) as state:
+            yield {**state, "queue": tuple(map(_as_torchrl_result, state["queue"]))}
+
     def __getitem__(self, index: Any) -> Any:
         data = super().__getitem__(index)
         if self._fr_pinning:
@@ -220,8 +243,16 @@ class _PinnedSampleMixin:
         return data
 
 
-def _write_info(data: Any, info: dict) -> Any:
-    """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does."""
+_SHADOWED = "_fastreplay_shadowed"
+
+
+def _write_info(data: Any, info: dict) -> tuple[Any, Any]:
+    """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does.
+
+    Returns ``data`` and a shallow copy of it from before the writes (the same tensors, so
+    stored entries that the metadata shares names with are kept). O(number of keys).
+    """
+    shadowed = data.copy()
     is_locked = data.is_locked
     with data.unlock_() if is_locked else contextlib.nullcontext():
         for key, val in info.items():
@@ -241,7 +272,16 @@ def _write_info(data: Any, info: dict) -> Any:
                     "the `sample` method from a regular ReplayBuffer instance with the "
                     "'return_info' flag set to True."
                 ) from None
-    return data
+    return data, shadowed
+
+
+def _as_torchrl_result(result: Any) -> Any:
+    """A queued ``(data, info)`` of :meth:`_PinnedSampleMixin._sample` as TorchRL queues it."""
+    info = result[1]
+    if not isinstance(info, dict) or _SHADOWED not in info:
+        return result
+    info = dict(info)
+    return info.pop(_SHADOWED), info
 
 
 def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
