@@ -32,6 +32,7 @@ from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
+from fastreplay._signature import ConstructorSignature
 
 __all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
 
@@ -329,6 +330,8 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, _TorchRLBuffer):
         (['index', 'obs'], torch.Size([8]), False)
     """
 
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
+
     def __init__(self, *, pin_memory: bool = False, device: Any = None, **kwargs: Any) -> None:
         self._fr_init_pinning(pin_memory, device)
         # TorchRL's own pinning (``pin_memory_output``) stays off: it pins too early and
@@ -388,6 +391,8 @@ class TensorDictPrioritizedReplayBuffer(_PinnedSampleMixin, _TorchRLPrioritizedB
         ...
         RuntimeError: pin_memory=tensor([1., 1.]) (of type torch.Tensor) has no truth value: ...
     """
+
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._segment_tree import PriorityTrees
+from fastreplay._signature import ConstructorSignature
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 
 __all__ = [
@@ -165,6 +166,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         >>> data.shape, info["priority_weight"].dtype
         (torch.Size([4]), torch.float32)
     """
+
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(
         self,
