@@ -235,7 +235,7 @@ class _PinnedSampleMixin:
         restored sample gets its metadata in :meth:`sample`. O(queued samples).
         """
         with super()._capture_prefetch_state(clone_queue=clone_queue) as state:
-            yield {**state, "queue": tuple(map(_as_torchrl_result, state["queue"]))}
+            yield {**state, "queue": tuple(map(_upstream_form, state["queue"]))}
 
     def __getitem__(self, index: Any) -> Any:
         data = super().__getitem__(index)
@@ -276,7 +276,7 @@ def _write_info(data: Any, info: dict) -> tuple[Any, Any]:
     return data, shadowed
 
 
-def _as_torchrl_result(result: Any) -> Any:
+def _upstream_form(result: Any) -> Any:
     """A queued ``(data, info)`` of :meth:`_PinnedSampleMixin._sample` as TorchRL queues it."""
     info = result[1]
     if not isinstance(info, dict) or _SHADOWED not in info:
