@@ -175,9 +175,8 @@ class _PinnedSampleMixin:
         if not is_tensor_collection(data) or is_tensorclass(data):
             return self._finish(data, info)
         data, info[_SHADOWED] = _write_info(data, info)
-        # ``info[_SHADOWED]``: the sample as the storage returned it, for
-        # ``sample(include_info=False)`` (popped there); its presence marks the metadata as
-        # written. It shares its leaves with ``data``, so pinning copies each leaf once.
+        # ``info[_SHADOWED]``: what undoes the writes, for ``sample(include_info=False)``
+        # (popped there); its presence marks the metadata as written.
         return self._finish(data, info)
 
     def sample(
@@ -215,7 +214,8 @@ class _PinnedSampleMixin:
             raise RuntimeError("Cannot include info in non-tensordict data")
         if is_tc and not is_tensorclass(data):
             if include_info is False and written:
-                data = self._finish(shadowed, {})[0]  # what the storage returned
+                replaced, drop = shadowed
+                data = _unwrite_info(data, (self._finish(replaced, {})[0], drop))
             elif include_info is not False and not written:
                 # A queued sample restored from a checkpoint that TorchRL wrote.
                 data, _ = _write_info(data, info)
@@ -250,10 +250,22 @@ _SHADOWED = "_fastreplay_shadowed"
 def _write_info(data: Any, info: dict) -> tuple[Any, Any]:
     """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does.
 
-    Returns ``data`` and a shallow copy of it from before the writes (the same tensors, so
-    stored entries that the metadata shares names with are kept). O(number of keys).
+    Returns ``data`` and what :func:`_unwrite_info` needs to give back the sample as it was:
+    the stored entries the metadata replaced (usually none) and the keys to drop.
+    O(number of metadata keys).
     """
-    shadowed = data.copy()
+    replaced, drop = {}, []
+    for key in info:  # ``get``: the cheapest membership test TensorDict offers
+        value = data.get(key, None)
+        if value is not None:
+            replaced[key] = value
+            drop.append(key)
+            continue
+        path, depth = (key if isinstance(key, tuple) else (key,)), 1
+        while depth < len(path) and data.get(path[:depth], None) is not None:
+            depth += 1
+        drop.append(path[:depth])  # the outermost level the write creates
+    shadowed = (replaced, tuple(drop))
     is_locked = data.is_locked
     with data.unlock_() if is_locked else contextlib.nullcontext():
         for key, val in info.items():
@@ -282,7 +294,23 @@ def _upstream_form(result: Any) -> Any:
     if not isinstance(info, dict) or _SHADOWED not in info:
         return result
     info = dict(info)
-    return info.pop(_SHADOWED), info
+    return _unwrite_info(result[0], info.pop(_SHADOWED)), info
+
+
+def _unwrite_info(data: Any, shadowed: tuple[dict, tuple]) -> Any:
+    """``data`` as it was before :func:`_write_info`; ``data`` itself is not modified.
+
+    ``exclude`` rebuilds every level holding a dropped key, so putting back the replaced
+    entries never writes into ``data``. O(number of keys).
+    """
+    replaced, drop = shadowed
+    raw = data.exclude(*drop)
+    if replaced:
+        is_locked = raw.is_locked
+        with raw.unlock_() if is_locked else contextlib.nullcontext():
+            for key, value in replaced.items():
+                raw.set(key, value)
+    return raw
 
 
 def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
