@@ -461,9 +461,39 @@ def test_list_storage_and_include_info_false(fake_pinning: FakePinning):
     rb = make_buffer(TensorDictReplayBuffer, "random", pin_memory=True, storage=ListStorage(30))
     data = rb.sample()
     assert "index" in data and unpinned(data, fake_pinning.is_pinned) == []
+    ref = make_buffer(TorchRLBuffer, "random", storage=ListStorage(30))
     with pytest.warns(UserWarning, match="include_info is going to be deprecated"):
         bare = rb.sample(include_info=False)
-    assert "index" not in bare and unpinned(bare, fake_pinning.is_pinned) == []
+    with pytest.warns(UserWarning, match="include_info is going to be deprecated"):
+        ref_bare = ref.sample(include_info=False)
+    # A ListStorage keeps the extended TensorDicts, into which ``extend`` wrote ``index``: the
+    # stored ``index`` comes back, as in TorchRL.
+    assert "index" in ref_bare
+    assert set(bare.keys(True)) == set(ref_bare.keys(True))
+    assert unpinned(bare, fake_pinning.is_pinned) == []
+
+
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_include_info_false_keeps_stored_keys_pinned(fake_pinning: FakePinning, prefetch: Any):
+    """Stored entries named like the metadata come back raw, and pinned too."""
+    data = TensorDict(obs=torch.arange(19), index=torch.arange(19) + 1_000, batch_size=[19])
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(23), batch_size=5, pin_memory=True, prefetch=prefetch
+    )
+    rb.extend(data, update_priority=False)
+    stored = rb.storage[torch.arange(19)]
+    try:
+        for _ in range(3):
+            with pytest.warns(UserWarning, match="include_info is going to be deprecated"):
+                bare, info = rb.sample(include_info=False, return_info=True)
+            assert set(bare.keys()) == {"obs", "index"}
+            assert torch.equal(bare["index"], stored["index"][info["index"]])
+            assert unpinned(bare, fake_pinning.is_pinned) == []
+            full = rb.sample()
+            assert torch.equal(full["index"], torch.as_tensor(full["obs"]))  # the slots
+            assert unpinned(full, fake_pinning.is_pinned) == []
+    finally:
+        rb.shutdown()
 
 
 def test_non_tensordict_data_raises_like_torchrl():

@@ -640,3 +640,61 @@ def test_cuda_views_and_default_priority() -> None:
     assert bound.tolist() == [0, 1, 2]
     assert sampler._sum_tree.query(0, 50) == 7.0 and sampler._min_tree.query(1, 3) == 2.0
     assert sampler._max_priority[1].device.type == "cuda"
+
+
+@pytest.mark.parametrize("eps", [-1e-3, -1.0, math.inf, math.nan])
+def test_eps_below_zero_or_not_finite_is_refused_at_construction(eps: float) -> None:
+    """TorchRL accepts these and raises at the first ``sample`` once a mass is invalid."""
+    with pytest.raises(ValueError, match=r"eps must be a finite number >= 0, got eps=.*pass a"):
+        PrioritizedSampler(7, 0.7, 0.5, eps=eps)
+    assert PrioritizedSampler(7, 0.7, 0.5, eps=0.0)._eps == 0.0  # zero stays allowed
+
+
+@requires_torchrl_ext
+@pytest.mark.parametrize("eps", [-1e-3, math.inf, math.nan])
+def test_torchrl_fails_at_sample_with_such_an_eps(eps: float) -> None:
+    """Why fastreplay refuses them: TorchRL's first sample after a small priority fails."""
+    from torchrl.data import PrioritizedSampler as TorchRLSampler
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(7), sampler=TorchRLSampler(7, 0.7, 0.5, eps=eps))
+    rb.extend(torch.arange(5))
+    rb.update_priority(torch.arange(5), torch.tensor([0.0, 1e-6, 0.5, 1.0, 2.0]))
+    with pytest.raises((OverflowError, RuntimeError)):
+        rb.sample(4)
+
+
+@pytest.mark.parametrize(
+    ("index", "priority", "fix"),
+    [
+        ([0, 1], [1.0, float("nan")], r"finite and >= 0, got index 1: nan \(pass e\.g\."),
+        ([0, 1], [1.0, -2.0], r"got index 1: -2\.0 \(pass e\.g\. td_error\.abs\(\)"),
+        ([0, 6], [1.0, 2.0], r"\[0, 5\): \[6\] \(pass indices of stored items"),
+        ([[0, 0], [3, 0]], [1.0, 2.0], r"storage shape \(1, 5\): \[\[3, 0\]\]; pass coordinates"),
+    ],
+)
+def test_bad_update_messages_name_the_argument_show_the_value_and_say_the_fix(
+    index: list, priority: list, fix: str
+) -> None:
+    sampler = PrioritizedSampler(7, 1.0, 1.0)
+    storage = LazyTensorStorage(5, ndim=2) if isinstance(index[0], list) else LazyTensorStorage(7)
+    rb = ReplayBuffer(storage=storage, sampler=sampler)
+    rb.extend(torch.arange(5).reshape(-1, 1) if storage.ndim == 2 else torch.arange(5))
+    before = [level.clone() for level in sampler._trees.levels]
+    with pytest.raises(ValueError, match=fix):
+        sampler.update_priority(torch.tensor(index), torch.tensor(priority), storage=storage)
+    assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
+
+
+@requires_torchrl_ext
+def test_torchrl_lets_an_unstored_index_set_the_priority_of_the_next_item() -> None:
+    """Why fastreplay refuses indices past the stored range: TorchRL's update of a slot that
+    holds nothing is not sampled, but raises its max priority, which the next item written
+    inherits (and indices past its power-of-two trees write outside them)."""
+    from torchrl.data import PrioritizedSampler as TorchRLSampler
+
+    rb = ReplayBuffer(storage=LazyTensorStorage(7), sampler=TorchRLSampler(7, 1.0, 0.5))
+    rb.extend(torch.arange(5))
+    rb.update_priority(torch.tensor([6]), torch.tensor([1e6]))  # slot 6 holds nothing
+    assert rb.sampler._sum_tree.query(0, 5) == 5.0  # not sampled...
+    rb.extend(torch.arange(1))  # ...but slot 5, written next, inherits the stale 1e6
+    assert rb.sampler._sum_tree[5] == 1e6

@@ -18,6 +18,7 @@ import operator
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
 from fastreplay._sharing import SharedBufferChecks
+from fastreplay._signature import ConstructorSignature
 
 __all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
 
@@ -171,8 +173,11 @@ class _PinnedSampleMixin:
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
         data, info = super()._sample(batch_size)
-        if is_tensor_collection(data) and not is_tensorclass(data):
-            data = _write_info(data, info)
+        if not is_tensor_collection(data) or is_tensorclass(data):
+            return self._finish(data, info)
+        data, info[_SHADOWED] = _write_info(data, info)
+        # ``info[_SHADOWED]``: what undoes the writes, for ``sample(include_info=False)``
+        # (popped there); its presence marks the metadata as written.
         return self._finish(data, info)
 
     def sample(
@@ -191,7 +196,9 @@ class _PinnedSampleMixin:
         Args:
             batch_size: Size of the batch; defaults to the buffer's ``batch_size``.
             return_info: Whether to return ``(data, info)`` instead of ``data``.
-            include_info: Deprecated TorchRL alias; ``False`` drops the metadata keys.
+            include_info: Deprecated TorchRL argument; ``False`` returns the sample as the
+                storage (and transform) produced it, without the metadata: stored entries
+                named like it (a stored ``index`` or ``("next", "done")``) keep their values.
         """
         if include_info is not None:
             warnings.warn(
@@ -201,11 +208,18 @@ class _PinnedSampleMixin:
                 stacklevel=2,
             )
         data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
+        written = _SHADOWED in info
+        shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)
         if not is_tc and include_info in (True, None):
             raise RuntimeError("Cannot include info in non-tensordict data")
-        if is_tc and not is_tensorclass(data) and include_info is False:
-            data = data.exclude(*info.keys())
+        if is_tc and not is_tensorclass(data):
+            if include_info is False and written:
+                replaced, drop = shadowed
+                data = _unwrite_info(data, (self._finish(replaced, {})[0], drop))
+            elif include_info is not False and not written:
+                # A queued sample restored from a checkpoint that TorchRL wrote.
+                data, _ = _write_info(data, info)
         if self._fr_pinning:
             # Leftovers only (TorchRL moves ``info`` to the storage device after ``_sample``, and
             # restored prefetch queues hold clones): pinned leaves are not copied again.
@@ -214,6 +228,16 @@ class _PinnedSampleMixin:
             return data, info
         return data
 
+    @contextlib.contextmanager
+    def _capture_prefetch_state(self, *, clone_queue: bool = True) -> Iterator[dict[str, Any]]:
+        """TorchRL's, with the queued samples in TorchRL's form (metadata not written yet).
+
+        Checkpoints (``state_dict``, ``dumps``, pickling) then load into either library; a
+        restored sample gets its metadata in :meth:`sample`. O(queued samples).
+        """
+        with super()._capture_prefetch_state(clone_queue=clone_queue) as state:
+            yield {**state, "queue": tuple(map(_upstream_form, state["queue"]))}
+
     def __getitem__(self, index: Any) -> Any:
         data = super().__getitem__(index)
         if self._fr_pinning:
@@ -221,8 +245,28 @@ class _PinnedSampleMixin:
         return data
 
 
-def _write_info(data: Any, info: dict) -> Any:
-    """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does."""
+_SHADOWED = "_fastreplay_shadowed"
+
+
+def _write_info(data: Any, info: dict) -> tuple[Any, Any]:
+    """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does.
+
+    Returns ``data`` and what :func:`_unwrite_info` needs to give back the sample as it was:
+    the stored entries the metadata replaced (usually none) and the keys to drop.
+    O(number of metadata keys).
+    """
+    replaced, drop = {}, []
+    for key in info:  # ``get``: the cheapest membership test TensorDict offers
+        value = data.get(key, None)
+        if value is not None:
+            replaced[key] = value
+            drop.append(key)
+            continue
+        path, depth = (key if isinstance(key, tuple) else (key,)), 1
+        while depth < len(path) and data.get(path[:depth], None) is not None:
+            depth += 1
+        drop.append(path[:depth])  # the outermost level the write creates
+    shadowed = (replaced, tuple(drop))
     is_locked = data.is_locked
     with data.unlock_() if is_locked else contextlib.nullcontext():
         for key, val in info.items():
@@ -242,7 +286,32 @@ def _write_info(data: Any, info: dict) -> Any:
                     "the `sample` method from a regular ReplayBuffer instance with the "
                     "'return_info' flag set to True."
                 ) from None
-    return data
+    return data, shadowed
+
+
+def _upstream_form(result: Any) -> Any:
+    """A queued ``(data, info)`` of :meth:`_PinnedSampleMixin._sample` as TorchRL queues it."""
+    info = result[1]
+    if not isinstance(info, dict) or _SHADOWED not in info:
+        return result
+    info = dict(info)
+    return _unwrite_info(result[0], info.pop(_SHADOWED)), info
+
+
+def _unwrite_info(data: Any, shadowed: tuple[dict, tuple]) -> Any:
+    """``data`` as it was before :func:`_write_info`; ``data`` itself is not modified.
+
+    ``exclude`` rebuilds every level holding a dropped key, so putting back the replaced
+    entries never writes into ``data``. O(number of keys).
+    """
+    replaced, drop = shadowed
+    raw = data.exclude(*drop)
+    if replaced:
+        is_locked = raw.is_locked
+        with raw.unlock_() if is_locked else contextlib.nullcontext():
+            for key, value in replaced.items():
+                raw.set(key, value)
+    return raw
 
 
 def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
@@ -294,6 +363,8 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuf
         >>> sorted(sample.keys()), sample["obs"].shape, rb.pin_memory
         (['index', 'obs'], torch.Size([8]), False)
     """
+
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(self, *, pin_memory: bool = False, device: Any = None, **kwargs: Any) -> None:
         self._fr_init_pinning(pin_memory, device)
@@ -358,6 +429,8 @@ class TensorDictPrioritizedReplayBuffer(
         ...
         RuntimeError: pin_memory=tensor([1., 1.]) (of type torch.Tensor) has no truth value: ...
     """
+
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(
         self,

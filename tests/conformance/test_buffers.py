@@ -15,6 +15,7 @@ every priority explicitly first.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -491,3 +492,136 @@ def test_per_mismatched_priority_length_raises_and_changes_nothing(per_impl: Imp
         rb.update_priority(torch.tensor([0, 1, 2]), torch.tensor([5.0, 5.0]))
     rb.set_rng(torch.Generator().manual_seed(5))
     assert_same(rb.sample(), before)  # priorities unchanged: same draws
+
+
+# --- sample(include_info=...): stored keys that share a name with the metadata --------------
+#
+# TorchRL writes the metadata (``index``, ``priority_weight``, a SliceSampler's truncation
+# flags) over same-named stored entries unless ``include_info=False``, in which case the sample
+# is exactly what the storage returned: stored ``index``/``("next", "done")`` kept, raw.
+
+TERMINATED = ("next", "terminated")
+PIN = [False, pytest.param(True, marks=requires_cuda)]
+
+
+def shadowing_data(n: int = 19, *, prioritized: bool = False) -> TensorDict:
+    """Episodes whose stored keys include ``index``, ``done``/``terminated`` and a weight."""
+    data = episodes(n, [3, 4])
+    data[TERMINATED] = data[DONE].clone()
+    data["index"] = 1_000 + torch.arange(n)  # never a real slot: visibly not the metadata
+    if prioritized:
+        data["td_error"] = torch.arange(1, n + 1, dtype=torch.float)
+    data["priority_weight"] = torch.full((n,), -1.0)
+    return data
+
+
+def deprecation(include_info: bool | None) -> Any:
+    """TorchRL warns that ``include_info`` is deprecated whenever it is passed."""
+    if include_info is None:
+        return contextlib.nullcontext()
+    return pytest.warns(UserWarning, match="include_info is going to be deprecated")
+
+
+def check_include_info(
+    rb: Any, include_info: bool | None, return_info: bool, *, prioritized: bool = False
+) -> None:
+    """Sample twice; every key and value is the stored one or the metadata, as TorchRL's."""
+    rb.extend(shadowing_data(prioritized=prioritized))
+    try:
+        for _ in range(2):
+            with deprecation(include_info):
+                out = rb.sample(include_info=include_info, return_info=return_info)
+            data, info = out if return_info else (out, None)
+            if info is None:  # the metadata is needed to check values: same RNG, one more call
+                with deprecation(include_info):
+                    data, info = rb.sample(include_info=include_info, return_info=True)
+            index = torch.stack(info["index"], -1) if isinstance(info["index"], tuple) else None
+            index = info["index"] if index is None else index
+            stored_rows = rb.storage[info["index"]].to(data.device)
+            stored_keys = set(stored_rows.keys(True))
+            want = stored_keys | ({*info} if include_info is not False else set())
+            assert set(data.keys(True)) == want
+            for key in data.keys(True, True):
+                if include_info is not False and key in info:
+                    value = index if key == "index" else torch.as_tensor(info[key])
+                    expected = value.reshape(*value.shape, *[1] * (data[key].ndim - value.ndim))
+                    expected = expected.expand_as(data[key]).to(data.device)
+                else:
+                    expected = stored_rows[key]
+                assert torch.equal(data[key], expected), key
+    finally:
+        rb.shutdown()
+
+
+@pytest.mark.parametrize("pin_memory", PIN)
+@pytest.mark.parametrize("prefetch", [None, 2])
+@pytest.mark.parametrize("return_info", [False, True])
+@pytest.mark.parametrize("include_info", [True, False, None])
+def test_include_info_random_sampler(
+    impl: Impl, include_info: bool | None, return_info: bool, prefetch: Any, pin_memory: bool
+) -> None:
+    rb = buffer(impl, storage=trl.LazyTensorStorage(23), prefetch=prefetch, pin_memory=pin_memory)
+    check_include_info(rb, include_info, return_info)
+
+
+@pytest.mark.parametrize("pin_memory", PIN)
+@pytest.mark.parametrize("prefetch", [None, 2])
+@pytest.mark.parametrize("return_info", [False, True])
+@pytest.mark.parametrize("include_info", [True, False, None])
+def test_include_info_slice_sampler(
+    impl: Impl, include_info: bool | None, return_info: bool, prefetch: Any, pin_memory: bool
+) -> None:
+    """The sampler adds ``("next", "truncated" | "done" | "terminated")`` to the metadata."""
+    sampler = impl.cls("SliceSampler")(num_slices=2, end_key=DONE, strict_length=False)
+    rb = buffer(
+        impl,
+        storage=trl.LazyTensorStorage(23),
+        sampler=sampler,
+        batch_size=6,
+        prefetch=prefetch,
+        pin_memory=pin_memory,
+    )
+    check_include_info(rb, include_info, return_info)
+
+
+@pytest.mark.parametrize("pin_memory", PIN)
+@pytest.mark.parametrize("prefetch", [None, 2])
+@pytest.mark.parametrize("return_info", [False, True])
+@pytest.mark.parametrize("include_info", [True, False, None])
+def test_per_include_info(
+    per_impl: Impl, include_info: bool | None, return_info: bool, prefetch: Any, pin_memory: bool
+) -> None:
+    """``priority_weight`` and ``index`` are metadata; stored entries of those names too."""
+    rb = per_buffer(
+        per_impl, storage=trl.LazyTensorStorage(23), prefetch=prefetch, pin_memory=pin_memory
+    )
+    check_include_info(rb, include_info, return_info, prioritized=True)
+
+
+@pytest.mark.parametrize("include_info", [None, False])
+def test_prefetched_samples_in_a_checkpoint_load_into_either_library(
+    impl: Impl, include_info: bool | None
+) -> None:
+    """A ``state_dict`` taken with samples queued restores them in TorchRL and in fastreplay."""
+
+    def make(side: Impl) -> Any:
+        sampler = side.cls("SliceSampler")(num_slices=1, end_key=DONE, strict_length=False)
+        return buffer(side, storage=trl.LazyTensorStorage(23), sampler=sampler, prefetch=2)
+
+    rb = make(impl)
+    rb.extend(shadowing_data())
+    rb.sample()  # fills the prefetch queue
+    state = rb.state_dict()
+    with deprecation(include_info):
+        expected = rb.sample(include_info=include_info)  # the first queued sample
+    rb.shutdown()
+    for side in map(Impl, ("torchrl", "fastreplay")):
+        restored = make(side)
+        restored.load_state_dict(state)
+        try:
+            with deprecation(include_info):
+                sample = restored.sample(include_info=include_info)
+        finally:
+            restored.shutdown()
+        assert set(sample.keys(True)) == set(expected.keys(True)), side
+        assert_same(sample, expected)

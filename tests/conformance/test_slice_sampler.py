@@ -300,16 +300,7 @@ def test_bad_requests_raise_runtime_error(impl: Impl, batch_size: int, strict: b
     assert_slices_valid(_obs(storage, index), 2)
 
 
-def test_include_info_false_keeps_stored_keys(impl: Impl, request: pytest.FixtureRequest) -> None:
-    if not impl.is_torchrl:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="fastreplay.TensorDictReplayBuffer.sample(include_info=False) drops the "
-                "stored keys that the sample metadata shares names with (src/fastreplay/"
-                "buffers.py)",
-            )
-        )
+def test_include_info_false_keeps_stored_keys(impl: Impl) -> None:
     rb = _buffer(impl, trl.LazyTensorStorage(40), buffer="TensorDictReplayBuffer", num_slices=4)
     td = episodes(30, 7)
     td[TERMINATED] = td[DONE].clone()

@@ -22,6 +22,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._segment_tree import PriorityTrees, make_trees
 from fastreplay._segment_tree_numba import OK as _OK
+from fastreplay._signature import ConstructorSignature
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 
 __all__ = [
@@ -167,6 +168,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         (torch.Size([4]), torch.float32)
     """
 
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
+
     def __init__(
         self,
         max_capacity: int,
@@ -196,7 +199,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 f"beta must be greater or equal to 0, got beta={beta}; use 0 for no correction"
             )
         if not eps >= 0 or math.isinf(eps):
-            raise ValueError(f"eps must be a finite number >= 0, got eps={eps}")
+            raise ValueError(
+                f"eps must be a finite number >= 0, got eps={eps!r}; pass a small positive eps "
+                "(the default is 1e-8): with eps < 0 a priority below -eps has no valid mass"
+            )
         if not upper_priority > 0:
             raise ValueError(
                 f"upper_priority must be > 0, got upper_priority={upper_priority}; "
@@ -419,7 +425,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             if bool(bad.any()):
                 raise ValueError(
                     f"index has coordinates outside the storage shape {tuple(storage.shape)}: "
-                    f"{index[bad][:5].tolist()}; nothing was updated"
+                    f"{index[bad][:5].tolist()}; pass coordinates of stored items (the 'index' "
+                    "a sample returned); nothing was updated"
                 )
             strides = torch.ones_like(shape)
             for dim in range(shape.numel() - 2, -1, -1):
@@ -578,10 +585,14 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 shown = flat[bad_i]
                 more = f" (and {shown.numel() - 5} more)" if shown.numel() > 5 else ""
                 problems.append(
-                    f"index outside the stored range [0, {stored}): {shown[:5].tolist()}{more}"
+                    f"index outside the stored range [0, {stored}): {shown[:5].tolist()}{more} "
+                    "(pass indices of stored items, e.g. the 'index' a sample returned)"
                 )
             if bool(bad_p.any()):
-                problems.append(f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)}")
+                problems.append(
+                    f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)} (pass e.g. "
+                    "td_error.abs(); torch.nan_to_num replaces NaN and inf)"
+                )
             raise ValueError("; ".join(problems) + "; nothing was updated")
         self._check_mass(p_max, what="priority")  # the mass is monotone: check the largest
         return flat, raw, p_max

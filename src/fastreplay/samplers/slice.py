@@ -16,6 +16,7 @@ from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSa
 from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
+from fastreplay._signature import constructor_signature
 from fastreplay._trajectory_index import TrajectoryIndex
 
 __all__ = [
@@ -95,10 +96,7 @@ class _SliceSamplerMeta(type(_TorchRLSliceSampler)):  # type: ignore[misc]
     @property
     def __signature__(cls) -> inspect.Signature:
         """``cls(...)``'s arguments (TorchRL's metaclass makes them read ``*args, **kwargs``)."""
-        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-        if all(p.name != "replacement" for p in params):
-            params.insert(0, _REPLACEMENT)
-        return inspect.Signature(params)
+        return constructor_signature(cls, extra=[_REPLACEMENT])
 
 
 def _check_count(name: str, value: Any) -> Any:

@@ -1,0 +1,94 @@
+"""The public API: every exported class shows its real constructor arguments."""
+
+from __future__ import annotations
+
+import inspect
+import pydoc
+
+import pytest
+import torchrl.data as trl
+
+import fastreplay
+from fastreplay._signature import ConstructorSignature, constructor_signature
+
+_P = inspect.Parameter
+PUBLIC_CLASSES = sorted(
+    name for name in fastreplay.__all__ if inspect.isclass(getattr(fastreplay, name))
+)
+
+
+def _named(params: object) -> set[str]:
+    return {p.name for p in params if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
+
+
+def test_every_public_class_is_checked() -> None:
+    assert {"PrioritizedSampler", "SliceSampler", "TensorDictReplayBuffer"} <= set(PUBLIC_CLASSES)
+
+
+@pytest.mark.parametrize("name", PUBLIC_CLASSES)
+def test_signature_names_the_constructor_arguments(name: str) -> None:
+    cls = getattr(fastreplay, name)
+    params = inspect.signature(cls).parameters.values()
+    kinds = {p.kind for p in params}
+    assert _P.VAR_POSITIONAL not in kinds and _P.VAR_KEYWORD not in kinds, (
+        f"inspect.signature({name}) still has *args/**kwargs: set "
+        "`__signature__ = ConstructorSignature()` in the class body"
+    )
+    named = _named(params)
+    init = _named(list(inspect.signature(cls.__init__).parameters.values())[1:])
+    assert init <= named, f"{name}: __init__ accepts {sorted(init - named)}, not shown"
+    upstream = getattr(trl, name, None)
+    if upstream is not None:  # a drop-in: every argument TorchRL's class takes is shown
+        torchrl_args = _named(list(inspect.signature(upstream.__init__).parameters.values())[1:])
+        assert torchrl_args <= named, f"{name}: TorchRL's {sorted(torchrl_args - named)} missing"
+    shown = pydoc.render_doc(cls)
+    assert "(*args, **kwargs)" not in shown.split("\n", 3)[2], shown[:300]
+
+
+def test_buffers_show_torchrl_arguments_and_their_own() -> None:
+    params = inspect.signature(fastreplay.TensorDictReplayBuffer).parameters
+    assert {"pin_memory", "device", "priority_key", "storage", "sampler", "prefetch"} <= set(params)
+    assert params["device"].default is None and params["priority_key"].default == "td_error"
+    per = inspect.signature(fastreplay.TensorDictPrioritizedReplayBuffer).parameters
+    assert per["alpha"].default is _P.empty and per["eps"].default == 1e-8
+    assert {"device", "sampler_device", "priority_key", "transport"} <= set(per)
+    assert inspect.signature(fastreplay.PrioritizedSampler).parameters["max_capacity"].kind is (
+        _P.POSITIONAL_OR_KEYWORD
+    )
+
+
+def test_signature_follows_init_in_subclasses() -> None:
+    """Read from ``__init__`` each time: a subclass (or a new argument) shows up by itself."""
+
+    class Mine(fastreplay.TensorDictReplayBuffer):
+        def __init__(self, scale: float, *, name: str = "x", **kwargs: object) -> None:
+            super().__init__(**kwargs)
+
+    params = list(inspect.signature(Mine).parameters)
+    assert params[:3] == ["scale", "name", "pin_memory"] and "storage" in params
+
+    class Opaque(fastreplay.PrioritizedSampler):
+        def __init__(self, *args: object, **kwargs: object) -> None:  # a pure pass-through
+            super().__init__(*args, **kwargs)
+
+    assert inspect.signature(Opaque) == inspect.signature(fastreplay.PrioritizedSampler)
+
+
+def test_constructor_signature_keeps_unresolved_variadics() -> None:
+    class Meta(type):
+        def __call__(cls, *args: object, mode: str = "a", **kwargs: object) -> object:
+            return super().__call__(*args, **kwargs)
+
+    class Loose(metaclass=Meta):
+        __signature__ = ConstructorSignature(
+            extra=[_P("flag", _P.POSITIONAL_OR_KEYWORD, default=False)]
+        )
+
+        def __init__(self, size: int, *args: object, **kwargs: object) -> None: ...
+
+    sig = inspect.signature(Loose)
+    assert str(sig) == "(size: 'int', *args: 'object', flag=False, mode: 'str' = 'a', " + (
+        "**kwargs: 'object')"
+    )
+    assert constructor_signature(Loose) != sig  # ``extra`` only where asked for
+    assert Loose.__dict__["__signature__"].__get__(Loose(1), Loose) is None  # instances
