@@ -9,7 +9,6 @@ priority distribution restricted to valid starts without writing to any shared s
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from torchrl.data import PrioritizedSliceSampler as _TorchRLPrioritizedSliceSamp
 from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
 from torchrl.data.replay_buffers.storages import Storage
 
+from fastreplay._signature import ConstructorSignature
 from fastreplay.samplers.prioritized import PrioritizedSampler
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
 
@@ -81,6 +81,8 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
         >>> batch["step"].view(3, 4).diff(dim=1).eq(1).all().item()  # slices of 4 steps
         True
     """
+
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(
         self,
@@ -369,13 +371,3 @@ def _slice_steps(starts: torch.Tensor, seq: int | torch.Tensor, rows: int) -> tu
     rest = starts[:, 1:].repeat_interleave(seq, 0) if starts.shape[1] > 1 else None
     row = row % rows
     return (row,) if rest is None else (row, *rest.unbind(-1))
-
-
-def _init_signature(cls: type) -> inspect.Signature:
-    """``cls.__init__``'s signature without ``self``."""
-    signature = inspect.signature(cls.__init__)
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-# TorchRL's sampler metaclass hides ``__init__`` behind ``__call__(*args, **kwargs)``.
-PrioritizedSliceSampler.__signature__ = _init_signature(PrioritizedSliceSampler)

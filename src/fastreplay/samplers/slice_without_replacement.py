@@ -8,7 +8,6 @@ reshuffle when the number of trajectories changes) is TorchRL's own
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerW
 from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.storages import Storage
 
+from fastreplay._signature import ConstructorSignature
 from fastreplay.samplers.prioritized_slice import _slice_steps
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
 
@@ -59,6 +59,8 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         >>> sorted(torch.cat(seen).tolist())  # one epoch: every episode exactly once
         [0, 1, 2, 3, 4, 5]
     """
+
+    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(
         self,
@@ -283,15 +285,6 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         self.len_storage = n_all
         return self._single_sample(n_all, num_slices)
 
-
-def _init_signature(cls: type) -> inspect.Signature:
-    """``cls.__init__``'s signature without ``self``."""
-    signature = inspect.signature(cls.__init__)
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-# TorchRL's sampler metaclass hides ``__init__`` behind ``__call__(*args, **kwargs)``.
-SliceSamplerWithoutReplacement.__signature__ = _init_signature(SliceSamplerWithoutReplacement)
 
 # TorchRL's sampler metaclass reads its dispatch table to treat ``replacement=False`` on a
 # without-replacement sampler as a no-op; ``SliceSampler(replacement=False)`` builds this class.
