@@ -38,11 +38,12 @@ def machine_line(env: Mapping[str, Any]) -> str:
 
 
 def fmt_s(seconds: float | None) -> str:
-    """``135 us``, ``2.01 ms``, ``1.20 s``; ``n/a`` for ``None``."""
+    """``135 us``, ``19.6 us``, ``2.01 ms``, ``1.20 s`` (three digits); ``n/a`` for ``None``."""
     if seconds is None:
         return "n/a"
     if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
+        micro = seconds * 1e6
+        return f"{micro:.{2 if micro < 10 else 1 if micro < 100 else 0}f} us"
     if seconds < 1:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds:.2f} s"

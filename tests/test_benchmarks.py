@@ -364,3 +364,14 @@ def test_harness_import_is_light() -> None:
     source = Path(harness.__file__).read_text() + Path(report.__file__).read_text()
     top_level = [line for line in source.splitlines() if re.match(r"^(import|from) ", line)]
     assert not [line for line in top_level if re.search(r"\b(torch|matplotlib|numpy)\b", line)]
+
+
+def test_times_keep_three_significant_digits() -> None:
+    """Short times are not rounded to whole microseconds (the speedup must follow the times)."""
+    from benchmarks import report
+
+    assert report.fmt_s(19.55e-6) == "19.6 us"
+    assert report.fmt_s(5.104e-6) == "5.10 us"
+    assert report.fmt_s(135.4e-6) == "135 us"
+    for seconds in (3.21e-6, 19.55e-6, 412.7e-6, 2.013e-3, 1.204):
+        assert report.parse_seconds(report.fmt_s(seconds)) == pytest.approx(seconds, rel=5e-3)
