@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +28,7 @@ from benchmarks.harness import (
     count_text,
     counts_text,
     fmt_count,
+    interleaved_seconds,
     parse_count,
     positive_int,
     progress,
@@ -74,23 +73,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 def interleaved_medians(fns: list[Callable[[], object]], repeats: list[int]) -> list[float]:
     """Median time of each ``fns[i]`` over ``repeats[i]`` calls, the calls interleaved."""
-    for fn in fns:
-        fn()
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    times: list[list[float]] = [[] for _ in fns]
-    try:
-        for r in range(max(repeats)):
-            for fn, reps, out in zip(fns, repeats, times, strict=True):
-                if r < reps:
-                    t0 = time.perf_counter()
-                    fn()
-                    out.append(time.perf_counter() - t0)
-    finally:
-        if enabled:
-            gc.enable()
-    return [statistics.median(t) for t in times]
+    times = interleaved_seconds(dict(enumerate(fns)), repeats=dict(enumerate(repeats)))
+    return [times[i] for i in range(len(fns))]
 
 
 def _done(steps: torch.Tensor, episode_len: int) -> TensorDict:
