@@ -98,14 +98,24 @@ def _slices_ok(storage: LazyTensorStorage, index: tuple, info: dict) -> bool:
     return not bool((done & inside).any())
 
 
-def run(args: argparse.Namespace) -> list[Result]:
-    sizes = [parse_count(s) for s in args.pslice_stored.split(",") if s.strip()]
-    capacity = parse_count(args.pslice_capacity) if args.pslice_capacity else int(1.2 * max(sizes))
+def run_sizes(
+    stored: str, capacity: str | None, run_size: Callable[[int, int], list[Result]]
+) -> list[Result]:
+    """``run_size(items stored, capacity)`` for each comma-separated size in ``stored``.
+
+    ``capacity`` defaults to 1.2x the largest size, so every size shares one capacity.
+    """
+    sizes = [parse_count(s) for s in stored.split(",") if s.strip()]
+    slots = parse_count(capacity) if capacity else int(1.2 * max(sizes))
     results = []
-    for stored in sizes:
-        results.extend(_run_size(args, stored, capacity))
+    for size in sizes:
+        results.extend(run_size(size, slots))
         gc.collect()
     return results
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    return run_sizes(args.pslice_stored, args.pslice_capacity, lambda n, c: _run_size(args, n, c))
 
 
 def _online_step(

@@ -15,10 +15,8 @@ trajectory.
 from __future__ import annotations
 
 import argparse
-import gc
 
 import torch
-from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
 
@@ -27,11 +25,10 @@ from benchmarks.harness import (
     count_text,
     counts_text,
     fmt_count,
-    parse_count,
     positive_int,
     progress,
 )
-from benchmarks.scenarios.prioritized_slice import interleaved_medians
+from benchmarks.scenarios.prioritized_slice import _done, interleaved_medians, run_sizes
 from fastreplay import SliceSamplerWithoutReplacement
 
 NAME = "slice_without_replacement"
@@ -63,10 +60,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--swor-slice-len", type=positive_int, default=32, help="steps per slice")
 
 
-def _done(steps: torch.Tensor, episode_len: int) -> TensorDict:
-    return TensorDict({_DONE: (steps % episode_len == episode_len - 1)[:, None]}, [len(steps)])
-
-
 def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int) -> bool:
     rows = index[0].view(num_slices, -1)
     step = (rows[:, 1:] - rows[:, :-1]) % storage._storage.shape[0]
@@ -75,13 +68,7 @@ def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int) -> boo
 
 
 def run(args: argparse.Namespace) -> list[Result]:
-    sizes = [parse_count(s) for s in args.swor_stored.split(",") if s.strip()]
-    capacity = parse_count(args.swor_capacity) if args.swor_capacity else int(1.2 * max(sizes))
-    results = []
-    for stored in sizes:
-        results.extend(_run_size(args, stored, capacity))
-        gc.collect()
-    return results
+    return run_sizes(args.swor_stored, args.swor_capacity, lambda n, c: _run_size(args, n, c))
 
 
 def _online_step(
