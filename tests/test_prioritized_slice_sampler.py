@@ -372,3 +372,23 @@ def test_slice_steps_match_torchrl_s_helper(ndim, variable) -> None:
     expected = sampler._tensor_slices_from_startend(seq, starts, storage_length=11)
     got = _slice_steps(starts, seq, 11)
     assert all(torch.equal(a, b) for a, b in zip(got, expected.unbind(-1), strict=True))
+
+
+def test_sample_waits_for_the_sampler_lock() -> None:
+    """``sample`` reads the trees several times: never while a write or an alpha change runs."""
+    rb, sampler, storage = _buffer(101, slice_len=3, end_key=DONE)
+    rb.extend(episodes(60, 10))
+    started, done = threading.Event(), threading.Event()
+
+    def draw() -> None:
+        started.set()
+        sampler.sample(storage, 9)
+        done.set()
+
+    with sampler._fr_lock:  # what update_priority, mark_update and the alpha setter hold
+        thread = threading.Thread(target=draw)
+        thread.start()
+        started.wait(5)
+        assert not done.wait(0.2), "sample ran while another thread held the sampler lock"
+    thread.join(10)
+    assert done.is_set()

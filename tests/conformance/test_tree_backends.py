@@ -245,3 +245,51 @@ def test_cuda_storage_switches_auto_backend_to_torch() -> None:
     rb.extend(_rows(0, 10, torch.rand(10) + 0.1).to("cuda"))
     assert sampler.backend == "torch" and sampler.device.type == "cuda"
     assert sampler.default_priority == sampler._trees.raw()[:10].max().item()
+
+
+def test_updates_of_only_minus_one_markers_change_nothing(backend: str) -> None:
+    """TorchRL's ``MaxValueWriter`` marks rejected rows ``-1``: a write of only those is a no-op."""
+    sampler = PrioritizedSampler(8, 0.6, 0.4, backend=backend)
+    sampler.update_priority(torch.tensor([0, 1]), torch.tensor([1.0, 2.0]))
+    before = sampler._trees.raw().clone()
+    sampler.update_priority(torch.tensor([-1, -1]), torch.tensor([3.0, 4.0]))
+    sampler.mark_update(torch.tensor([-1]))
+    assert torch.equal(sampler._trees.raw(), before)
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(4),
+        sampler=PrioritizedSampler(4, 0.6, 0.4, backend=backend),
+        writer=trl.TensorDictMaxValueWriter(rank_key="r"),
+        batch_size=2,
+    )
+    rb.extend(TensorDict(r=torch.tensor([5.0, 6.0, 7.0, 8.0]), batch_size=[4]))
+    assert rb.extend(TensorDict(r=torch.tensor([0.0, 1.0]), batch_size=[2])).tolist() == [-1, -1]
+    assert len(rb) == 4
+
+
+def test_alpha_that_would_overflow_the_initial_priority_is_refused(backend: str) -> None:
+    """Emptying the buffer falls back to ``initial_priority``: alpha must keep its mass finite."""
+    sampler = PrioritizedSampler(8, 1.0, 0.4, initial_priority=1e20, backend=backend)
+    sampler.update_priority(torch.tensor([0]), torch.tensor([1.0]))
+    with pytest.raises(OverflowError, match=r"alpha=2\.0"):
+        sampler.alpha = 2.0
+    assert sampler.alpha == 1.0
+    sampler.mark_update(torch.tensor([0]))  # clears the max item, then writes the default
+    assert sampler._trees.raw()[0] == 1e20
+
+
+def test_a_move_that_fails_changes_nothing() -> None:
+    """numba trees cannot follow a storage to CUDA when numba is forced: nothing changes."""
+    pytest.importorskip("numba", reason="numba is not installed (optional extra 'fast')")
+
+    class CudaStorage:  # only what the device check reads
+        device = torch.device("cuda:0")
+
+        def __len__(self) -> int:
+            return 4
+
+    sampler = PrioritizedSampler(8, 0.6, 0.4, backend="numba")
+    with pytest.raises(ValueError, match="numba"):
+        sampler.mark_update(torch.tensor([1]), storage=CudaStorage())
+    assert sampler.device == torch.device("cpu") and sampler._device is None
+    sampler.update_priority(torch.tensor([1]), torch.tensor([2.0]))  # still usable
+    assert sampler._trees.raw()[1] == 2.0

@@ -293,14 +293,16 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             return
         device = self._tree_device_from_storage(storage)
         if device is not None and device != self._trees.device:
-            self._device = device
             old = self._trees
             if self._backend_choice is None and device.type != "cpu" and old.backend != "torch":
                 # numba trees live on the CPU: follow the storage on the torch backend
-                self._trees = self._new_trees(self._slots, backend="torch")
-                self._trees.set_leaves(old.leaf_mass(), old.raw())
+                trees = make_trees(self._slots, backend="torch", device=device)
+                trees.set_leaves(old.leaf_mass(), old.raw())
             else:
-                self._trees.to(device)  # move, keeping the priorities (TorchRL resets them)
+                # move, keeping the priorities (TorchRL resets them); a backend that cannot
+                # live there raises before anything changes
+                trees = old.to(device)
+            self._trees, self._device = trees, device
 
     @property
     def upper_priority(self) -> float:
@@ -332,7 +334,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             )
         if value == self._alpha:
             return
-        for p_max in (self._trees.max_raw(), self._default_value()):
+        # The stored max, and what an emptied buffer falls back to (initial_priority).
+        fallback = min(self._initial_priority, self._upper_priority)
+        for p_max in (self._trees.max_raw(), self._default_value(), fallback):
             if p_max != -math.inf:
                 self._check_mass(p_max, alpha=value, what="alpha")
         self._alpha = value
@@ -524,7 +528,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             if status != _OK:
                 self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
                 raise AssertionError(f"unreported bad priority write (status {status})")
-            self._check_mass(p_max, what="priority")
+            if p_max > -math.inf:  # -inf: every index was a -1 marker, nothing to write
+                self._check_mass(p_max, what="priority")
             self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
         else:
             # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all

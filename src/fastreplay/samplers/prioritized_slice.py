@@ -23,7 +23,7 @@ from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSa
 from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._signature import ConstructorSignature
-from fastreplay.samplers.prioritized import PrioritizedSampler
+from fastreplay.samplers.prioritized import PrioritizedSampler, _locked
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
 
 __all__ = ["PrioritizedSliceSampler"]
@@ -182,11 +182,13 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
         PrioritizedSampler._empty(self)
         self._fr_slices._empty()
 
+    @_locked
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the priorities; the trajectory index is rebuilt at the next sample."""
         PrioritizedSampler.load_state_dict(self, state_dict)
         self._fr_slices._empty()
 
+    @_locked
     def loads(self, path: Any) -> None:
         """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
         PrioritizedSampler.loads(self, path)
@@ -288,6 +290,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
         return slot[pick], left[pick]
 
     # ------------------------------------------------------------------------ sampling
+    @_locked  # the trees are read several times: never beside a write, alpha change or load
     @torch.no_grad()
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """Draw ``batch_size // seq_length`` slices by start priority. ``O(batch)`` (see above).
