@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 
 import fastreplay
+from test_scale_out import BATCH, NUM_SLICES, assert_valid, episode
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'fastreplay[ray]')")
 from torchrl.data import RayReplayBuffer  # noqa: E402
@@ -32,9 +32,6 @@ pytestmark = pytest.mark.filterwarnings(
 
 REPO = Path(__file__).resolve().parents[1]
 CAPACITY = 101
-EPISODE = 9
-NUM_SLICES = 4
-BATCH = 20
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,16 +45,6 @@ def local_ray() -> Any:
     )
     yield
     ray.shutdown()
-
-
-def episode(writer: int, number: int) -> TensorDict:
-    traj = torch.full((EPISODE,), writer * 1_000 + number)
-    return TensorDict(
-        traj=traj,
-        obs=traj * 10_000 + torch.arange(EPISODE),
-        written=torch.ones(EPISODE, dtype=torch.bool),
-        batch_size=[EPISODE],
-    )
 
 
 @ray.remote(num_cpus=0)
@@ -76,15 +63,6 @@ def run_writers(rb: Any, first: int, count: int, writers: int = 2) -> None:
 
 def actor_attr(rb: Any, name: str) -> Any:
     return ray.get(rb._rb._getattr.remote(name))
-
-
-def assert_valid(sample: TensorDict, slices: int | None) -> None:
-    assert sample["written"].all()
-    obs, traj = sample["obs"].reshape(-1), sample["traj"].reshape(-1)
-    assert torch.equal(obs // 10_000, traj) and bool((obs % 10_000 < EPISODE).all())
-    if slices:
-        rows = obs.view(slices, -1)
-        assert bool((rows[:, 1:] - rows[:, :-1] == 1).all()), rows
 
 
 def test_slice_sampler_in_a_ray_buffer() -> None:
