@@ -337,8 +337,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         # The stored max, and what an emptied buffer falls back to (initial_priority).
         fallback = min(self._initial_priority, self._upper_priority)
         for p_max in (self._trees.max_raw(), self._default_value(), fallback):
-            if p_max != -math.inf:
-                self._check_mass(p_max, alpha=value, what="alpha")
+            self._check_mass(p_max, alpha=value, what="alpha")
         self._alpha = value
         raw = self._trees.raw()
         self._trees.set_leaves(self._mass(raw), raw)
@@ -371,6 +370,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         float32: the mass must round to a finite float32. float64: the sum over every slot
         must stay finite, so the mass must be below ``float64 max / slots``.
         """
+        if p_max == -math.inf:  # nothing stored, or a write of only -1 markers: no mass
+            return
         alpha = self._alpha if alpha is None else alpha
         f32 = self.dtype == torch.float32
         limit = _FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots
@@ -528,8 +529,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             if status != _OK:
                 self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
                 raise AssertionError(f"unreported bad priority write (status {status})")
-            if p_max > -math.inf:  # -inf: every index was a -1 marker, nothing to write
-                self._check_mass(p_max, what="priority")
+            self._check_mass(p_max, what="priority")
             self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
         else:
             # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all
