@@ -11,11 +11,16 @@ Every operation is one compiled loop instead of a few torch ops per tree level, 
 a few microseconds of dispatch plus the memory accesses themselves:
 
 * batched writes write the leaves in order (a repeated slot: the last write wins), then
-  recompute each touched ancestor once, level by level (a flag array dedupes parents without
-  sorting): O(k log_B capacity) time and O(k / B) scratch memory; a write touching most
-  level-1 nodes rebuilds every internal node instead, O(capacity) and no scratch memory;
+  recompute each touched ancestor once, level by level (the parents are sorted once, so each
+  level dedupes them in one pass): O(k log k + k log_B capacity) time and O(k) scratch
+  memory; a write touching most level-1 nodes rebuilds every internal node instead,
+  O(capacity) and no scratch memory;
 * a batched search descends all queries one level at a time, so the cache misses of different
-  queries overlap.
+  queries overlap;
+* both issue prefetch hints for the nodes of the next level before reading them, so the cache
+  misses of a level are in flight together rather than one after the other. Every level
+  starts on a cache line (rows are padded to a multiple of 8 slots), so with the default
+  ``branching=8`` the children of a node are exactly one 64-byte line per row.
 
 The kernels are compiled on first use (``cache=True`` stores them on disk next to this module,
 or in ``NUMBA_CACHE_DIR``, so later processes load them in a second or two). This module
@@ -52,7 +57,7 @@ NUMBA_AVAILABLE = numba is not None
 _INF = math.inf
 
 # Status codes returned by the fused sampler kernels (the caller builds the error message).
-OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW = 0, 1, 2, 3
+OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW, CHECK_MASS = 0, 1, 2, 3, 4
 
 
 def _jit(fn: Any = None, **options: Any) -> Any:
@@ -61,11 +66,56 @@ def _jit(fn: Any = None, **options: Any) -> Any:
     return numba.njit(cache=True, **options)(fn) if numba is not None else fn
 
 
+if numba is not None:
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _prefetch(typingctx, array, position):  # pragma: no cover - compiled
+        """Hint the CPU to load the cache line of ``array[position]`` (no fault, no result).
+
+        A search or update then issues the loads of many independent nodes back to back, so
+        their cache and TLB misses overlap instead of stalling one after the other.
+        """
+
+        def codegen(context, builder, signature, args):
+            array_type = signature.args[0]
+            data = context.make_array(array_type)(context, builder, args[0])
+            pointer = cgutils.get_item_pointer(
+                context, builder, array_type, data, [args[1]], wraparound=False
+            )
+            i32 = ir.IntType(32)
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]),
+                "llvm.prefetch." + pointer.type.intrinsic_name,
+            )
+            # read, keep in all cache levels, data cache
+            builder.call(function, [pointer, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(array, position), codegen
+
+else:  # pragma: no cover - numba absent: the kernels below are never called
+
+    def _prefetch(array: Any, position: Any) -> None:
+        return None
+
+
+@_jit
+def _prefetch_node(row, start, b):  # pragma: no cover - compiled
+    """Prefetch the ``b`` children ``row[start : start + b]`` (one line when aligned)."""
+    for c in range(0, b, 8):
+        _prefetch(row, start + c)
+    _prefetch(row, start + b - 1)
+
+
 # ---------------------------------------------------------------------- kernels
 # Reassociation lets LLVM vectorize the sum and min over the children (no ``nnan``/``ninf``:
 # ``+inf`` is the min trees' neutral value). Every parent is computed by this one function,
 # so incremental updates and full rebuilds still give bit-identical nodes.
-@_jit(fastmath={"reassoc", "nsz"})
+@_jit(fastmath={"reassoc", "nsz"}, inline="always")
 def _recompute(tree, child_off, parent_off, b, node):  # pragma: no cover - compiled
     base = child_off + node * b
     s = 0.0
@@ -88,8 +138,12 @@ def _rebuild(tree, offsets, sizes, b):  # pragma: no cover - compiled
 
 
 @_jit
-def _propagate(tree, offsets, sizes, b, flags, index):  # pragma: no cover - compiled
-    """Recompute every ancestor of the leaves ``index`` (negative entries skipped) once."""
+def _propagate(tree, offsets, sizes, b, index):  # pragma: no cover - compiled
+    """Recompute every ancestor of the leaves ``index`` (negative entries skipped) once.
+
+    The parents are sorted once; the parents of a sorted list are sorted, so every level
+    dedupes in one linear pass and visits its nodes in memory order.
+    """
     levels = offsets.size
     if levels == 1:
         return
@@ -97,41 +151,45 @@ def _propagate(tree, offsets, sizes, b, flags, index):  # pragma: no cover - com
     if k >= sizes[1]:
         _rebuild(tree, offsets, sizes, b)
         return
-    nodes = np.empty(k, np.int64)
+    nodes = np.sort(index)
     count = 0
     for i in range(k):
-        if index[i] >= 0:
-            p = index[i] // b
-            if flags[p] == 0:
-                flags[p] = 1
+        if nodes[i] >= 0:
+            p = nodes[i] // b
+            if count == 0 or nodes[count - 1] != p:
                 nodes[count] = p
                 count += 1
     for level in range(1, levels):
+        # The children were just written (one aligned line per node); the nodes' own lines
+        # are the misses: start loading all of them before the first recompute.
+        for t in range(count):
+            for row in range(3):
+                _prefetch(tree[row], offsets[level] + nodes[t])
         for t in range(count):
             _recompute(tree, offsets[level - 1], offsets[level], b, nodes[t])
-        for t in range(count):
-            flags[nodes[t]] = 0
         if level == levels - 1:
             break
         new_count = 0
-        for t in range(count):  # parents of distinct nodes, deduplicated in place
+        for t in range(count):  # parents of distinct sorted nodes: sorted, dedupe in place
             p = nodes[t] // b
-            if flags[p] == 0:
-                flags[p] = 1
+            if new_count == 0 or nodes[new_count - 1] != p:
                 nodes[new_count] = p
                 new_count += 1
         count = new_count
 
 
 @_jit
-def _write(tree, offsets, sizes, b, flags, index, rows):  # pragma: no cover - compiled
+def _write(tree, offsets, sizes, b, index, rows):  # pragma: no cover - compiled
     """Set leaves ``index`` to the columns of ``rows`` (3, k) or (3, 1); last write wins."""
     one = rows.shape[1] == 1
+    for i in range(index.size):  # start loading every leaf's lines before the first write
+        for row in range(3):
+            _prefetch(tree[row], index[i])
     for i in range(index.size):
         col = 0 if one else i
         for row in range(3):
             tree[row, index[i]] = rows[row, col]
-    _propagate(tree, offsets, sizes, b, flags, index)
+    _propagate(tree, offsets, sizes, b, index)
 
 
 _CLEARED = np.array([[0.0], [_INF], [_INF]])
@@ -179,6 +237,8 @@ def _descend(tree, offsets, b, prefix):  # pragma: no cover - compiled
             choice = min(count, last)
             rest[q] = p - (cums[choice] - tree[0, base + choice])
             node[q] = node[q] * b + choice
+            if level > 0:  # its children are read one level later, after the other queries
+                _prefetch_node(tree[0], offsets[level - 1] + node[q] * b, b)
     return node
 
 
@@ -225,11 +285,13 @@ def _check(index, raw, stored, eps, alpha, f32):  # pragma: no cover - compiled
 
 
 @_jit
-def _write_priorities(
-    tree, offsets, sizes, b, flags, index, raw, eps, alpha, f32
-):  # pragma: no cover
+def _write_priorities(tree, offsets, sizes, b, index, raw, eps, alpha, f32):  # pragma: no cover
     """Write raw priorities (already checked) and their mass; ``-1`` slots are skipped."""
     one = raw.size == 1
+    for i in range(index.size):  # start loading every leaf's lines before the first write
+        if index[i] >= 0:
+            for row in range(3):
+                _prefetch(tree[row], index[i])
     for i in range(index.size):
         j = index[i]
         if j < 0:
@@ -241,7 +303,26 @@ def _write_priorities(
         tree[0, j] = m
         tree[1, j] = m
         tree[2, j] = -p
-    _propagate(tree, offsets, sizes, b, flags, index)
+    _propagate(tree, offsets, sizes, b, index)
+
+
+@_jit
+def _check_and_write(
+    tree, offsets, sizes, b, index, raw, stored, eps, alpha, f32, bound
+):  # pragma: no cover - compiled
+    """:func:`_check`, then :func:`_write_priorities` if the largest mass is below ``bound``.
+
+    Returns ``(status, max priority)``; nothing is written unless the status is ``OK``.
+    ``CHECK_MASS``: the write is valid but its largest mass is not clearly below ``bound``,
+    so the caller decides (exactly) whether it fits before writing.
+    """
+    status, p_max, _ = _check(index, raw, stored, eps, alpha, f32)
+    if status != OK:
+        return status, p_max
+    if p_max > -_INF and not (p_max + eps) ** alpha < bound:
+        return CHECK_MASS, p_max
+    _write_priorities(tree, offsets, sizes, b, index, raw, eps, alpha, f32)
+    return OK, p_max
 
 
 @_jit
@@ -271,8 +352,7 @@ class NumbaPriorityTrees:
         ImportError: numba is not installed.
         ValueError: a non-CPU ``device``, ``capacity < 1`` or ``branching < 2``.
 
-    Memory is about 24 bytes a slot, as for the pure-torch trees, plus ``capacity / branching``
-    bytes of flags.
+    Memory is about 24 bytes a slot, as for the pure-torch trees.
     """
 
     backend = "numba"
@@ -297,20 +377,18 @@ class NumbaPriorityTrees:
             sizes.append(nodes if nodes == 1 else math.ceil(nodes / branching) * branching)
         self._sizes = np.asarray(sizes, dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(self._sizes)[:-1]]).astype(np.int64)
-        self._data = torch.empty(3, int(self._sizes.sum()), dtype=torch.float64)
+        columns = -(-int(self._sizes.sum()) // 8) * 8  # each row starts on a cache line
+        self._data = torch.empty(3, columns, dtype=torch.float64)
         self._attach()
         self.reset()
 
     def _attach(self) -> None:
         self._tree = self._data.numpy()
-        flags = int(self._sizes[1]) if self._sizes.size > 1 else 1
-        self._flags = np.zeros(flags, dtype=np.uint8)
         self._root = int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_tree", "_flags"):
-            state.pop(name)
+        state.pop("_tree")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -370,12 +448,12 @@ class NumbaPriorityTrees:
         and ``raw`` have the same length.
         """
         mass, neg = self._values(mass), -self._values(raw)
-        args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
+        args = (self._tree, self._offsets, self._sizes, self.branching)
         _write(*args, self._index(index), np.stack([mass, mass, neg]))
 
     def clear(self, index: torch.Tensor) -> None:
         """Reset leaves ``index`` to the neutral (unwritten) state; O(k log_B capacity)."""
-        args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
+        args = (self._tree, self._offsets, self._sizes, self.branching)
         _write(*args, self._index(index), _CLEARED)
 
     def reset(self) -> None:
@@ -420,13 +498,33 @@ class NumbaPriorityTrees:
         self, index: np.ndarray, raw: np.ndarray, eps: float, alpha: float, f32: bool
     ) -> None:
         """Write checked raw priorities and their mass ``(p + eps) ** alpha``. O(k log_B cap)."""
-        args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
+        args = (self._tree, self._offsets, self._sizes, self.branching)
         _write_priorities(*args, index, raw, eps, alpha, f32)
+
+    def check_and_write(
+        self,
+        index: np.ndarray,
+        raw: np.ndarray,
+        stored: int,
+        eps: float,
+        alpha: float,
+        f32: bool,
+        bound: float,
+    ) -> tuple[int, float]:
+        """Check a priority write and write it in one call: ``(status, max priority)``.
+
+        O(k log k + k log_B capacity). Nothing is written unless the status is ``OK``; see
+        :meth:`check_priorities` for the other statuses, and ``CHECK_MASS`` when the largest
+        mass ``(p + eps) ** alpha`` is not below ``bound``.
+        """
+        args = (self._tree, self._offsets, self._sizes, self.branching)
+        status, p_max = _check_and_write(*args, index, raw, stored, eps, alpha, f32, bound)
+        return int(status), float(p_max)
 
     def clear_if_holds_max(self, index: np.ndarray) -> None:
         """Clear leaves ``index`` (negatives skipped) if one of them holds the live max. O(k)."""
         if _holds_max(self._tree, index, self._root):
-            args = (self._tree, self._offsets, self._sizes, self.branching, self._flags)
+            args = (self._tree, self._offsets, self._sizes, self.branching)
             valid = index[index >= 0] if (index < 0).any() else index
             _write(*args, valid, _CLEARED)
 

@@ -143,6 +143,26 @@ def test_bad_input_rejected_atomically(backend: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_mass_just_below_the_dtype_limit_is_written(backend: str, dtype: torch.dtype) -> None:
+    # Masses this close to the limit skip the fast bound and take the exact check.
+    sampler = PrioritizedSampler(7, 1.0, 0.5, eps=0.0, dtype=dtype, backend=backend)
+    if dtype == torch.float32:  # fits if it rounds to a finite float32: below max + ulp / 2
+        limit, margin = float(torch.finfo(torch.float32).max) + 2.0**103, 1e26
+    else:  # the 7 slots' masses must sum to a finite float64
+        limit = 1.7976931348623157e308 / sampler._slots
+        margin = limit * 1e-13
+    fits = torch.tensor([limit - margin, 1.0], dtype=torch.float64)
+    sampler.update_priority(torch.tensor([0, 1]), fits)
+    assert sampler._trees.max_raw() == float(fits[0])
+    assert math.isfinite(sampler._trees.total())
+    before = [level.clone() for level in sampler._trees.levels]
+    too_big = torch.tensor([1.0, limit + margin], dtype=torch.float64)
+    with pytest.raises(OverflowError, match="does not fit"):
+        sampler.update_priority(torch.tensor([2, 3]), too_big)
+    assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.float64])
 def test_priority_dtypes(backend: str, dtype: torch.dtype) -> None:
     sampler = PrioritizedSampler(7, 1.0, 0.5, backend=backend)

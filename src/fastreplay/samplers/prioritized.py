@@ -21,6 +21,7 @@ from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._segment_tree import PriorityTrees, make_trees
+from fastreplay._segment_tree_numba import CHECK_MASS as _CHECK_MASS
 from fastreplay._segment_tree_numba import OK as _OK
 from fastreplay._signature import ConstructorSignature
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
@@ -364,6 +365,11 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         value = min(live, self._upper_priority)
         return torch.tensor(value, dtype=self.dtype, device=self.device)
 
+    def _mass_bound(self) -> float:
+        """A mass below this fits for sure (see :meth:`_check_mass`, which decides the rest)."""
+        f32 = self.dtype == torch.float32
+        return (_FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots) * (1 - 1e-12)
+
     def _check_mass(self, p_max: float, *, alpha: float | None = None, what: str) -> None:
         """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1).
 
@@ -379,7 +385,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             mass = (p_max + self._eps) ** alpha
         except OverflowError:
             mass = math.inf
-        if mass < limit * (1 - 1e-12):
+        if mass < self._mass_bound():
             return
         exact = torch.pow(torch.tensor(p_max, dtype=torch.float64) + self._eps, alpha)
         if float(exact) < limit and math.isfinite(float(exact.to(self.dtype))):
@@ -520,17 +526,18 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         Repeated slots: the last occurrence wins, as in TorchRL. Atomic: any bad entry raises
         before anything is written.
         """
-        if self._fused:  # numba: one checking pass, then one writing pass, no temporaries
+        if self._fused:  # numba: one call checks, then writes; no temporaries
             index_np, raw_np = flat.numpy(), raw.numpy()
             f32 = self.dtype == torch.float32
-            status, p_max, _ = self._trees.check_priorities(
-                index_np, raw_np, stored, self._eps, self._alpha, f32
+            status, p_max = self._trees.check_and_write(
+                index_np, raw_np, stored, self._eps, self._alpha, f32, self._mass_bound()
             )
-            if status != _OK:
+            if status == _CHECK_MASS:  # near the limit: the exact check raises or passes
+                self._check_mass(p_max, what="priority")
+                self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
+            elif status != _OK:
                 self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
                 raise AssertionError(f"unreported bad priority write (status {status})")
-            self._check_mass(p_max, what="priority")
-            self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
         else:
             # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all
             # chunks are checked before any is written, and later chunks overwrite earlier
