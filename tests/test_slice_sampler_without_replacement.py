@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import pickle
 import random
@@ -16,6 +17,7 @@ from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWi
 from conformance.conftest import episodes
 from fastreplay import SliceSampler, SliceSamplerWithoutReplacement
 from fastreplay._epoch_permutation import EpochPermutation
+from fastreplay._trajectory_index import TrajectoryIndex
 from fastreplay.samplers.slice import SliceSamplerError
 from test_slice_sampler import DONE, Episodes
 
@@ -474,3 +476,45 @@ def test_lazy_sample_list_reads_and_resets_like_torchrl_s() -> None:
     fast._sample_list = None  # as TorchRL: the next sample starts a new epoch
     fast.sample(storage, 6)
     assert fast._remaining_batches == 3
+
+
+@pytest.mark.parametrize("rows,p_end", [(5003, 0.3), (20011, 0.9), (997, 0.01)])
+def test_index_rotation_search_matches_a_linear_scan(rows, p_end) -> None:
+    """The 64-way search for the trajectories ending after the cursor, against a scan."""
+    index = TrajectoryIndex(rows, 2, "done")
+    gen = np.random.default_rng(rows)
+    first = 0
+    for n in (rows // 3, rows // 2, rows // 3, 17, rows - 5, 1):  # wraps around twice
+        index.write(first, gen.random((n, 2)) < p_end)
+        first = (first + n) % rows
+        for c in range(2):
+            for min_length in (1, 3):
+                count = index.cols[c].eligible_count(min_length)
+                records = index.cols[c].eligible_records(min_length, np.arange(count))
+                after = (records[:, 1] + records[:, 2] - 1) % rows > index.cursor
+                expected = int(np.argmin(after)) if not after.all() else count
+                assert not after[expected:].any()  # a prefix, as the search assumes
+                assert index._rotation_of(c, min_length) == expected
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_benchmark_checks_answers_and_refuses_sizes_with_too_few_episodes(
+    tmp_path, capsys, monkeypatch, lazy
+) -> None:
+    from benchmarks.harness import main
+
+    if lazy:
+        monkeypatch.setattr(WOR, "_fr_lazy_above", 0)
+    threads = torch.get_num_threads()
+    argv = ["--only", "slice_without_replacement", "--swor-stored", "300,8k", "--repeats", "3"]
+    argv += ["--swor-capacity", "9001", "--swor-episode-len", "50", "--swor-num-slices", "8"]
+    try:
+        assert main([*argv, "--swor-slice-len", "5", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert "skipped 300 stored: 300 items stored (capacity 9.001k) hold 6 episodes" in err
+    assert "fewer than --swor-num-slices 8" in err
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["case"] for r in results] == ["9.001k/8k ep50 online", "9.001k/8k ep50 static"]
+    assert all(r["correct"] for r in results)

@@ -2,8 +2,9 @@
 
 A thin adapter: the trajectory boundaries come from the incremental index kept by an inner
 :class:`fastreplay.SliceSampler` (composed); the epoch bookkeeping (``drop_last``, ``shuffle``,
-reshuffle when the number of trajectories changes) is TorchRL's own
-``SamplerWithoutReplacement`` code, so the same seed gives the same samples.
+a new epoch when the number of trajectories changes) follows TorchRL's
+``SamplerWithoutReplacement``, with large shuffled epochs drawn lazily by
+:class:`fastreplay._epoch_permutation.EpochPermutation`.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
     Same arguments, outputs and epoch semantics as TorchRL's class: each ``sample`` takes the
     next ``num_slices`` trajectories of a permutation of the stored trajectories (in TorchRL's
     order) and one random slice of each; an epoch ends when the permutation is used up
-    (``drop_last``, ``ran_out``), and a new permutation is drawn whenever the number of stored
-    trajectories changes. The same seed gives bit-identical samples. The difference is cost:
+    (``drop_last``, ``ran_out``), and a new one starts whenever the number of stored
+    trajectories changes. With up to ``4096`` trajectories (or ``shuffle=False``) the same seed
+    gives bit-identical samples; above, a shuffled epoch is drawn lazily (the same epochs and
+    distribution, other random numbers). The difference is cost:
 
-    * ``sample`` costs ``O(batch)`` plus ``O(trajectories)`` once per permutation, independent
-      of capacity and of the number of stored items (TorchRL rescans the storage after every
-      write);
+    * ``sample`` costs ``O(batch)``, independent of capacity, of the number of stored items
+      and (above ``4096``) of the number of trajectories; TorchRL rescans the storage after
+      every write and draws a permutation of every trajectory at each epoch start;
     * a write costs ``O(items written)``; writes the sampler was not told about trigger one
       ``O(items stored)`` rebuild from the storage, never stale boundaries.
 
@@ -158,8 +161,8 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """The next trajectories of the epoch, one slice each: ``O(batch)`` per call.
 
-        Plus ``O(trajectories)`` whenever a new permutation is drawn (end of an epoch, or a
-        change in the number of stored trajectories), as TorchRL.
+        Plus, up to ``4096`` trajectories, ``O(trajectories)`` whenever a new permutation is
+        drawn (end of an epoch, or a change in the number of stored trajectories), as TorchRL.
         """
         if not self._fr_fast(storage):
             return super().sample(storage, batch_size)
