@@ -243,7 +243,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         else:
             heads = np.cumsum(seqs) - seqs
             steps = np.repeat(first - heads, seqs) + np.arange(int(seqs.sum()))
-        rows = storage.shape[0]
+        rows = storage._storage.shape[0]
         if n and int(first.max()) + int(np.max(seqs)) > rows:  # slices running past the end
             steps %= rows
         index: tuple[torch.Tensor, ...] = (torch.from_numpy(steps),)
@@ -264,9 +264,9 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         if self.truncated_key is not None:
             done_key = _replace_last(self.truncated_key, "done")
             terminated_key = _replace_last(self.truncated_key, "terminated")
-            last = np.zeros(steps, dtype=bool)
-            last[np.append(heads[1:], steps) - 1] = True
-            truncated = torch.from_numpy(last)[:, None]
+            last = np.zeros((steps, 1), dtype=bool)
+            last[heads[1:] - 1] = last[-1] = True
+            truncated = torch.from_numpy(last)
             done = data.get(done_key, default=None)
             terminated = data.get(terminated_key, default=None)
             info[self.truncated_key] = truncated
