@@ -518,3 +518,25 @@ def test_benchmark_checks_answers_and_refuses_sizes_with_too_few_episodes(
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [r["case"] for r in results] == ["9.001k/8k ep50 online", "9.001k/8k ep50 static"]
     assert all(r["correct"] for r in results)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"traj_key": "traj"},  # done flags inside trajectories: gathered from the storage
+        {"end_keys": [DONE, ("next", "terminated")]},  # done flags end trajectories
+        {"end_key": ("next", "terminated")},  # done flags inside trajectories again
+        {"end_key": DONE},  # done flags end trajectories
+    ],
+)
+def test_done_flags_match_torchrl_whichever_key_ends_trajectories(keys) -> None:
+    data = episodes(90, [7, 9, 11, 5])
+    gen = torch.Generator().manual_seed(0)
+    data["next", "terminated"] = data["next", "done"].clone()  # the episode ends
+    data["next", "done"] = torch.rand(90, 1, generator=gen) < 0.15  # anywhere
+    kw = {"num_slices": 3, **keys}
+    fast, ref = WOR(**kw), REF(**kw)
+    storage = LazyTensorStorage(83)
+    ReplayBuffer(storage=storage, sampler=fast).extend(data)  # wraps around
+    for s in range(6):
+        _sample_both(fast, ref, storage, 9, seed=s)

@@ -270,7 +270,10 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             done = data.get(done_key, default=None)
             terminated = data.get(terminated_key, default=None)
             info[self.truncated_key] = truncated
-            info[done_key] = truncated.clone() if done is None else _take(done, index) | truncated
+            if done is None or self._fr_ends_trajectories(done_key, done, index):
+                info[done_key] = truncated.clone()
+            else:
+                info[done_key] = _take(done, index) | truncated
             info[terminated_key] = (
                 torch.zeros_like(truncated) if terminated is None else _take(terminated, index)
             )
@@ -281,6 +284,22 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             marker[heads] = True
             info[self.init_key] = torch.from_numpy(marker).to(existing.device) | existing
         return info
+
+    def _fr_ends_trajectories(self, key: NestedKey, leaf: torch.Tensor, index: tuple) -> bool:
+        """Whether every ``True`` in ``leaf`` (stored at ``key``) ends an indexed trajectory.
+
+        Then a slice, which stays inside one trajectory, holds one only on its last step, where
+        ``truncated`` is set: ``leaf[index] | truncated`` is ``truncated``, with no gather from
+        the storage (a cache miss per slice in a large buffer).
+        """
+        mode, keys = self._fr_slices._fr_spec[:2]
+        return (
+            mode == "done"
+            and key in keys
+            and len(index) == 1
+            and leaf.dtype == torch.bool
+            and leaf.shape[1:] == (1,)
+        )
 
     # ------------------------------------------------------------------------- epochs
     # TorchRL keeps an epoch as ``_sample_list``: the trajectories left in a permutation drawn
