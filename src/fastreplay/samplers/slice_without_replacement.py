@@ -311,7 +311,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
     _fr_lazy_above = 4096
 
     @property
-    def _sample_list(self) -> torch.Tensor | None:  # type: ignore[override]
+    def _sample_list(self) -> torch.Tensor | None:
         """The trajectories left in the epoch; ``O(remaining)`` when drawn lazily."""
         if not self.__dict__.get("_fr_lazy"):
             return self.__dict__.get("_fr_list")
