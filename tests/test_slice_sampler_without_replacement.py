@@ -309,6 +309,20 @@ def test_epoch_permutation_is_uniform(n, k) -> None:
     assert _chi2_pvalue(pairs[off_diagonal], expected) > 1e-3
 
 
+def test_epoch_permutation_first_draws_of_many_items_are_uniform() -> None:
+    """Chi-square per draw slot, where draws rarely repeat (``n >> k * k``)."""
+    perm, gen = EpochPermutation(), torch.Generator().manual_seed(11)
+    n, k, epochs = 200, 5, 4000
+    counts = torch.zeros(k, n)
+    for _ in range(epochs):
+        perm.reset(n)
+        first = perm.draw(k, gen)
+        assert np.unique(first).size == k
+        counts[torch.arange(k), torch.from_numpy(first)] += 1
+    for slot in counts:
+        assert _chi2_pvalue(slot, torch.full((n,), epochs / n)) > 1e-3
+
+
 def _epoch_run(sampler, storage, batch: int, calls: int) -> list[tuple]:
     """``(trajectories, ran_out, remaining batches, len_storage)`` after each call."""
     out = []

@@ -122,7 +122,10 @@ class EpochPermutation:
             first = np.empty(ranked.size, dtype=bool)
             first[0] = True
             np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
-            if np.count_nonzero(first) >= k:  # first occurrences, back in draw order
+            distinct = np.count_nonzero(first)
+            if distinct == draws.size:  # no repeat (the usual case when n >> k * k)
+                return draws[:k]
+            if distinct >= k:  # first occurrences, back in draw order
                 return draws[np.sort(order[first])[:k]]
             more = torch.randint(n, (batch,), generator=generator).numpy()
             draws = np.concatenate([draws, more])
