@@ -7,15 +7,20 @@ of ``--swor-episode-len`` steps). Cases:
   ``--swor-slice-len`` steps, timed together;
 * ``static``: ``sample`` only, no writes in between.
 
-The two sides' repetitions are interleaved. Correctness: after the same writes and with the
-same seed, both samplers return bit-identical indices and flags, and every slice stays in one
-trajectory.
+The two sides' repetitions are interleaved. Correctness, after the same writes: with
+``shuffle=False`` and the same seed both samplers return bit-identical indices and flags; with
+``shuffle=True`` (where fastreplay draws its epoch permutation differently) every slice stays in
+one trajectory of TorchRL's boundaries, a batch holds ``num_slices`` distinct trajectories and
+consecutive batches of one epoch never repeat one. A size that stores fewer trajectories than
+``--swor-num-slices`` (or episodes shorter than a slice) is refused with a message.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
+import numpy as np
 import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
@@ -67,8 +72,49 @@ def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int) -> boo
     return bool((step == 1).all()) and not bool(done[:, :-1].any())
 
 
+def _refusal(args: argparse.Namespace, stored: int, capacity: int) -> str | None:
+    """Why ``stored`` items cannot be benchmarked with these arguments, or ``None``."""
+    ep, slices, slice_len = args.swor_episode_len, args.swor_num_slices, args.swor_slice_len
+    if ep < slice_len:
+        return (
+            f"--swor-episode-len {ep} is shorter than --swor-slice-len {slice_len}: no episode "
+            "holds a slice; pass a longer episode or a shorter slice"
+        )
+    episodes = min(stored, capacity) // ep
+    if episodes < slices:
+        return (
+            f"{fmt_count(stored)} items stored (capacity {fmt_count(capacity)}) hold "
+            f"{episodes} episodes of {ep} steps, fewer than --swor-num-slices {slices}: a batch "
+            f"cannot take {slices} distinct episodes; store at least {fmt_count(slices * ep)} "
+            "items, or pass a smaller --swor-num-slices or --swor-episode-len"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> list[Result]:
-    return run_sizes(args.swor_stored, args.swor_capacity, lambda n, c: _run_size(args, n, c))
+    def run_size(stored: int, capacity: int) -> list[Result]:
+        why = _refusal(args, stored, capacity)
+        if why is not None:
+            print(f"  {NAME}: skipped {fmt_count(stored)} stored: {why}", file=sys.stderr)
+            return []
+        return _run_size(args, stored, capacity)
+
+    return run_sizes(args.swor_stored, args.swor_capacity, run_size)
+
+
+def _trajectory_of(
+    ref: TorchRLSliceSamplerWithoutReplacement, storage: LazyTensorStorage, rows: torch.Tensor
+) -> np.ndarray:
+    """Number of the trajectory (TorchRL's boundaries) holding each row, -1 where none does."""
+    start, stop, _ = ref._get_stop_and_length(storage)
+    start, stop = start[:, 0].numpy(), stop[:, 0].numpy()
+    size = storage._storage.shape[0]
+    order = np.argsort(start, kind="stable")
+    rows = rows.numpy()
+    # The last trajectory starting at or before the row (or the one wrapping past the end).
+    found = order[(np.searchsorted(start[order], rows, side="right") - 1) % len(order)]
+    inside = (rows - start[found]) % size <= (stop[found] - start[found]) % size
+    return np.where(inside, found, -1)
 
 
 def _online_step(
@@ -110,20 +156,32 @@ def _run_size(args: argparse.Namespace, stored: int, capacity: int) -> list[Resu
         ],
         [25, max(3, min(args.repeats, 7))],
     )
-    # Same writes, same seed: bit-identical samples (both start a fresh epoch).
+    # Same writes: with shuffle=False and the same seed, bit-identical samples.
     while offsets[1][0] < offsets[0][0]:
         _online_step(buffers[1], ref, offsets[1], batch, ep)
+    num_slices = args.swor_num_slices
     for sampler in (fast, ref):
-        sampler._sample_list = None
+        sampler.shuffle, sampler._sample_list = False, None
         sampler._rng = torch.Generator().manual_seed(args.seed)
     (idx_f, info_f), (idx_t, info_t) = (
         fast.sample(storages[0], batch),
         ref.sample(storages[1], batch),
     )
-    fast._rng = ref._rng = None
     correct = all(torch.equal(a, b) for a, b in zip(idx_f, idx_t, strict=True))
     correct &= all(torch.equal(info_f[k], info_t[k]) for k in info_t)
-    correct &= _slices_ok(storages[0], idx_f, args.swor_num_slices)
+    # shuffle=True: valid slices of distinct trajectories, none repeated within an epoch.
+    fast.shuffle, fast._sample_list, ref.shuffle = True, None, True
+    epoch = min(4, ref._storage_len_buffer // num_slices)
+    seen = []
+    for _ in range(epoch):
+        idx_f, _ = fast.sample(storages[0], batch)
+        slices = idx_f[0].numel() // args.swor_slice_len  # fewer if short episodes were drawn
+        correct &= slices > num_slices // 2 and _slices_ok(storages[0], idx_f, slices)
+        firsts = idx_f[0].view(slices, -1)[:, 0]
+        seen.append(_trajectory_of(ref, storages[1], firsts))
+    seen = np.concatenate(seen)
+    correct &= bool((seen >= 0).all()) and np.unique(seen).size == seen.size
+    fast._rng = ref._rng = None
 
     params = {
         "capacity": capacity,

@@ -154,15 +154,27 @@ def test_prioritized_memmap_storage(per_impl, tmp_path) -> None:
 
 
 # ------------------------------------------------------------- SliceSamplerWithoutReplacement
-def _wor_buffer(impl: Impl, capacity: int, columns: int | None = None, batch=None, **kw):
+@pytest.fixture(params=[False, True], ids=["", "lazy"])
+def lazy(request: pytest.FixtureRequest, impl: Impl) -> bool:
+    """fastreplay's lazily drawn epochs (used above ``_fr_lazy_above`` trajectories)."""
+    if request.param and impl.is_torchrl:
+        pytest.skip("lazily drawn epochs are fastreplay's (TorchRL always draws randperm)")
+    return request.param
+
+
+def _wor_buffer(
+    impl: Impl, capacity: int, columns: int | None = None, batch=None, lazy=False, **kw
+):
     sampler = impl.cls("SliceSamplerWithoutReplacement")(**kw)
+    if lazy:
+        sampler._fr_lazy_above = 0
     storage = LazyTensorStorage(capacity * (columns or 1), ndim=1 if columns is None else 2)
     return ReplayBuffer(storage=storage, sampler=sampler, batch_size=batch), sampler, storage
 
 
 @pytest.mark.parametrize("columns", [None, 3])
-def test_wor_epoch_visits_every_trajectory_once(impl, columns) -> None:
-    rb, sampler, storage = _wor_buffer(impl, 50, columns, num_slices=4, traj_key="traj")
+def test_wor_epoch_visits_every_trajectory_once(impl, lazy, columns) -> None:
+    rb, sampler, storage = _wor_buffer(impl, 50, columns, lazy=lazy, num_slices=4, traj_key="traj")
     rb.extend(episodes(50, [5, 8, 6], columns=columns))
     n_traj = int((sampler._get_stop_and_length(storage)[2] >= 3).sum())  # strict_length
     seen = []
@@ -177,9 +189,9 @@ def test_wor_epoch_visits_every_trajectory_once(impl, columns) -> None:
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_wor_drop_last_and_exhaustion(impl, drop_last) -> None:
+def test_wor_drop_last_and_exhaustion(impl, lazy, drop_last) -> None:
     rb, sampler, storage = _wor_buffer(
-        impl, 7 * 10, batch=6, num_slices=3, traj_key="traj", drop_last=drop_last
+        impl, 7 * 10, batch=6, lazy=lazy, num_slices=3, traj_key="traj", drop_last=drop_last
     )
     rb.extend(episodes(70, 7))  # ten trajectories, three per batch
     sizes = []
@@ -192,8 +204,10 @@ def test_wor_drop_last_and_exhaustion(impl, drop_last) -> None:
     assert sampler.ran_out
 
 
-def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl) -> None:
-    rb, sampler, storage = _wor_buffer(impl, 101, num_slices=2, traj_key="traj", shuffle=False)
+def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl, lazy) -> None:
+    rb, sampler, storage = _wor_buffer(
+        impl, 101, lazy=lazy, num_slices=2, traj_key="traj", shuffle=False
+    )
     rb.extend(episodes(40, 10))
     first, _ = sampler.sample(storage, 2 * 4)
     rb.extend(episodes(20, 10, first_id=4))  # two more trajectories: a fresh permutation
@@ -202,8 +216,8 @@ def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl) -> None:
     assert torch.equal(storage[first]["traj"].view(2, 4)[:, 0], torch.tensor([0, 1]))
 
 
-def test_wor_short_trajectories_are_skipped_with_strict_length(impl) -> None:
-    rb, sampler, storage = _wor_buffer(impl, 63, num_slices=4, traj_key="traj")
+def test_wor_short_trajectories_are_skipped_with_strict_length(impl, lazy) -> None:
+    rb, sampler, storage = _wor_buffer(impl, 63, lazy=lazy, num_slices=4, traj_key="traj")
     rb.extend(episodes(60, [2, 9, 3, 12]))
     index, _ = sampler.sample(storage, 4 * 5)
     obs = storage[index]["obs"]
@@ -211,8 +225,10 @@ def test_wor_short_trajectories_are_skipped_with_strict_length(impl) -> None:
     assert obs.numel() // 5 <= 4
 
 
-def test_wor_memmap_storage_wraps_around(impl, tmp_path) -> None:
+def test_wor_memmap_storage_wraps_around(impl, lazy, tmp_path) -> None:
     sampler = impl.cls("SliceSamplerWithoutReplacement")(slice_len=3, end_key=DONE)
+    if lazy:
+        sampler._fr_lazy_above = 0
     storage = LazyMemmapStorage(37, scratch_dir=tmp_path)
     rb = ReplayBuffer(storage=storage, sampler=sampler)
     for first in (0, 100, 200):

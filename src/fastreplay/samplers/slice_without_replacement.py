@@ -2,8 +2,9 @@
 
 A thin adapter: the trajectory boundaries come from the incremental index kept by an inner
 :class:`fastreplay.SliceSampler` (composed); the epoch bookkeeping (``drop_last``, ``shuffle``,
-reshuffle when the number of trajectories changes) is TorchRL's own
-``SamplerWithoutReplacement`` code, so the same seed gives the same samples.
+a new epoch when the number of trajectories changes) follows TorchRL's
+``SamplerWithoutReplacement``, with large shuffled epochs drawn lazily by
+:class:`fastreplay._epoch_permutation.EpochPermutation`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerW
 from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.storages import Storage
 
+from fastreplay._epoch_permutation import EpochPermutation
 from fastreplay._signature import ConstructorSignature
-from fastreplay.samplers.prioritized_slice import _slice_steps
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
 
 __all__ = ["SliceSamplerWithoutReplacement"]
@@ -32,12 +33,14 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
     Same arguments, outputs and epoch semantics as TorchRL's class: each ``sample`` takes the
     next ``num_slices`` trajectories of a permutation of the stored trajectories (in TorchRL's
     order) and one random slice of each; an epoch ends when the permutation is used up
-    (``drop_last``, ``ran_out``), and a new permutation is drawn whenever the number of stored
-    trajectories changes. The same seed gives bit-identical samples. The difference is cost:
+    (``drop_last``, ``ran_out``), and a new one starts whenever the number of stored
+    trajectories changes. With up to ``4096`` trajectories (or ``shuffle=False``) the same seed
+    gives bit-identical samples; above, a shuffled epoch is drawn lazily (the same epochs and
+    distribution, other random numbers). The difference is cost:
 
-    * ``sample`` costs ``O(batch)`` plus ``O(trajectories)`` once per permutation, independent
-      of capacity and of the number of stored items (TorchRL rescans the storage after every
-      write);
+    * ``sample`` costs ``O(batch)``, independent of capacity, of the number of stored items
+      and (above ``4096``) of the number of trajectories; TorchRL rescans the storage after
+      every write and draws a permutation of every trajectory at each epoch start;
     * a write costs ``O(items written)``; writes the sampler was not told about trigger one
       ``O(items stored)`` rebuild from the storage, never stale boundaries.
 
@@ -99,6 +102,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         self._fr_static = "static-stop-and-length" in self._cache or self.use_gpu
         # The trajectory index (composed, not copied): kept by a fastreplay.SliceSampler that
         # is told about every write and only ever asked for its index.
+        self._fr_perm = EpochPermutation()
         self._fr_slices = SliceSampler(
             num_slices=num_slices,
             slice_len=slice_len,
@@ -126,6 +130,17 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         super()._empty()
         self._fr_slices._empty()
 
+    def state_dict(self) -> dict[str, Any]:
+        """TorchRL's state: the trajectories left in the epoch as ``_sample_list``.
+
+        A lazily drawn epoch is written out as that list (``O(remaining)``), and this sampler
+        continues from the same list, so that it and a sampler loaded from the checkpoint
+        draw the same trajectories.
+        """
+        if self._fr_lazy:
+            self._sample_list = self._sample_list
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the epoch state; the trajectory index is rebuilt at the next sample."""
         super().load_state_dict(state_dict)
@@ -146,8 +161,8 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """The next trajectories of the epoch, one slice each: ``O(batch)`` per call.
 
-        Plus ``O(trajectories)`` whenever a new permutation is drawn (end of an epoch, or a
-        change in the number of stored trajectories), as TorchRL.
+        Plus, up to ``4096`` trajectories, ``O(trajectories)`` whenever a new permutation is
+        drawn (end of an epoch, or a change in the number of stored trajectories), as TorchRL.
         """
         if not self._fr_fast(storage):
             return super().sample(storage, batch_size)
@@ -169,7 +184,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
                 "sample shorter slices or pass strict_length=False."
             )
         self._storage_len_buffer = n_all
-        ranks = self._fr_next_trajectories(storage, n_all, num_slices).cpu().numpy()
+        ranks = self._fr_next_trajectories(storage, n_all, num_slices)
         start, length, col = index.select(ranks, 1)
         target = None
         seq: int | torch.Tensor = seq_length
@@ -186,10 +201,12 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             else:
                 seq = torch.from_numpy(length).clamp_max(seq_length)
                 target = seq_length if self.pad_output else None
+        if target is None and not any(self.span):
+            return self._fr_slices_at(storage, start, length, col, seq)
         start_idx = SliceSampler._fr_with_coords(
             storage, torch.from_numpy(start), torch.from_numpy(col)
         )
-        return self._get_index(
+        return super()._get_index(
             lengths=torch.from_numpy(length),
             start_idx=start_idx,
             stop_idx=start_idx,
@@ -201,89 +218,163 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             storage=storage,
         )
 
-    def _get_index(
+    def _fr_slices_at(
         self,
-        lengths: torch.Tensor,
-        start_idx: torch.Tensor,
-        stop_idx: torch.Tensor,
-        seq_length: int | torch.Tensor,
-        num_slices: int,
-        storage_length: int,
-        traj_idx: torch.Tensor | None = None,
-        *,
-        target_seq_length: int | None = None,
         storage: Storage,
-    ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-        """TorchRL's ``_get_index`` (same random numbers, same outputs), vectorized.
+        start: np.ndarray,
+        length: np.ndarray,
+        col: np.ndarray,
+        seq: int | torch.Tensor,
+    ) -> tuple[tuple[torch.Tensor, ...], dict[Any, Any]]:
+        """One slice of ``seq`` steps in each trajectory ``(start, length, col)``: ``O(batch)``.
 
-        Only the flags' and markers' keys are gathered from the storage, where TorchRL gathers
-        every stored key of the sampled steps (``storage[index]``) to read two or three.
+        TorchRL's ``_get_index`` (the same random numbers, the same outputs), on numpy. Only
+        the flags' and markers' keys are gathered from the storage, where TorchRL gathers every
+        stored key of the sampled steps (``storage[index]``) to read two or three.
         """
-        if not self._fr_fast(storage) or any(self.span) or target_seq_length is not None:
-            return super()._get_index(
-                lengths=lengths,
-                start_idx=start_idx,
-                stop_idx=stop_idx,
-                seq_length=seq_length,
-                num_slices=num_slices,
-                storage_length=storage_length,
-                traj_idx=traj_idx,
-                target_seq_length=target_seq_length,
-                storage=storage,
-            )
-        end_point = lengths[traj_idx] - seq_length + 1
-        draw = torch.rand(num_slices, device=lengths.device, generator=self._rng)
-        starts = start_idx[traj_idx]
-        starts[:, 0] += (draw * end_point).floor().to(start_idx.dtype)
-        index = _slice_steps(starts, seq_length, storage_length)
-        return index, self._fr_info(index, num_slices, seq_length, storage)
+        n = start.size
+        draw = torch.rand(n, generator=self._rng).numpy()
+        seqs = seq if isinstance(seq, int) else seq.numpy()
+        # float32 products, as TorchRL's ``rand * (lengths - seq + 1)``.
+        first = start + np.floor(draw * (length - seqs + 1).astype(np.float32)).astype(np.int64)
+        if isinstance(seq, int):
+            steps = (first[:, None] + np.arange(seq)).reshape(-1)
+            heads = np.arange(0, n * seq, seq)
+        else:
+            heads = np.cumsum(seqs) - seqs
+            steps = np.repeat(first - heads, seqs) + np.arange(int(seqs.sum()))
+        rows = storage._storage.shape[0]
+        if n and int(first.max()) + int(np.max(seqs)) > rows:  # slices running past the end
+            steps %= rows
+        index: tuple[torch.Tensor, ...] = (torch.from_numpy(steps),)
+        if storage.ndim > 1:
+            coords = SliceSampler._fr_coords(storage, torch.from_numpy(col))
+            index += tuple(coords.repeat_interleave(torch.as_tensor(seqs), 0).unbind(-1))
+        return index, self._fr_info(index, heads, steps.size, storage)
 
     def _fr_info(
-        self, index: tuple, num_slices: int, seq_length: int | torch.Tensor, storage: Storage
+        self, index: tuple, heads: np.ndarray, steps: int, storage: Storage
     ) -> dict[Any, Any]:
-        """TorchRL's ``_finalize_index`` info: flags and ``is_init`` markers, same values."""
+        """TorchRL's ``_finalize_index`` info: flags and ``is_init`` markers, same values.
+
+        ``heads``: position of each slice's first step among the ``steps`` sampled steps.
+        """
         data = storage._storage
         info: dict[Any, Any] = {}
         if self.truncated_key is not None:
             done_key = _replace_last(self.truncated_key, "done")
             terminated_key = _replace_last(self.truncated_key, "terminated")
-            truncated = torch.zeros((index[0].shape[0], 1), dtype=torch.bool)
-            if isinstance(seq_length, int):
-                truncated.view(num_slices, -1)[:, -1] = 1
-            else:
-                truncated[seq_length.cumsum(0) - 1] = 1
+            last = np.zeros((steps, 1), dtype=bool)
+            last[heads[1:] - 1] = last[-1] = True
+            truncated = torch.from_numpy(last)
             done = data.get(done_key, default=None)
             terminated = data.get(terminated_key, default=None)
             info[self.truncated_key] = truncated
-            info[done_key] = truncated.clone() if done is None else done[index] | truncated
+            if done is None or self._fr_ends_trajectories(done_key, done, index):
+                info[done_key] = truncated.clone()
+            else:
+                info[done_key] = _take(done, index) | truncated
             info[terminated_key] = (
-                torch.zeros_like(truncated) if terminated is None else terminated[index]
+                torch.zeros_like(truncated) if terminated is None else _take(terminated, index)
             )
         existing = None if self.init_key is None else data.get(self.init_key, default=None)
         if existing is not None:
-            existing = existing[index]
-            marker = torch.zeros_like(existing)
-            if isinstance(seq_length, int):
-                starts = torch.arange(num_slices, device=marker.device) * seq_length
-            else:
-                starts = torch.zeros(num_slices, dtype=torch.long, device=marker.device)
-                starts[1:] = seq_length.to(marker.device).cumsum(0)[:-1]
-            marker[starts] = True
-            info[self.init_key] = marker | existing
+            existing = _take(existing, index)
+            marker = np.zeros(existing.shape, dtype=bool)
+            marker[heads] = True
+            info[self.init_key] = torch.from_numpy(marker).to(existing.device) | existing
         return info
 
-    def _fr_next_trajectories(self, storage: Any, n_all: int, num_slices: int) -> torch.Tensor:
-        """TorchRL's ``SamplerWithoutReplacement.sample`` over ``n_all`` trajectory ranks."""
+    def _fr_ends_trajectories(self, key: NestedKey, leaf: torch.Tensor, index: tuple) -> bool:
+        """Whether every ``True`` in ``leaf`` (stored at ``key``) ends an indexed trajectory.
+
+        Then a slice, which stays inside one trajectory, holds one only on its last step, where
+        ``truncated`` is set: ``leaf[index] | truncated`` is ``truncated``, with no gather from
+        the storage (a cache miss per slice in a large buffer).
+        """
+        mode, keys = self._fr_slices._fr_spec[:2]
+        return (
+            mode == "done"
+            and key in keys
+            and len(index) == 1
+            and leaf.dtype == torch.bool
+            and leaf.shape[1:] == (1,)
+        )
+
+    # ------------------------------------------------------------------------- epochs
+    # TorchRL keeps an epoch as ``_sample_list``: the trajectories left in a permutation drawn
+    # with ``randperm`` whenever the number of trajectories changes, so ``O(trajectories)`` at
+    # every online step. Up to ``_fr_lazy_above`` trajectories this class does the same (the
+    # same random numbers); above, it draws the permutation lazily (``_fr_perm``), O(batch)
+    # per call. ``_sample_list`` stays readable and writable for TorchRL's code and for state
+    # dicts: a list set there (a loaded checkpoint) is consumed in order, as TorchRL does.
+    _fr_lazy_above = 4096
+
+    @property
+    def _sample_list(self) -> torch.Tensor | None:
+        """The trajectories left in the epoch; ``O(remaining)`` when drawn lazily."""
+        if not self.__dict__.get("_fr_lazy"):
+            return self.__dict__.get("_fr_list")
+        rest = self._fr_perm.rest()
+        if self.shuffle and rest.size > 1:  # its order is arbitrary: make it a random one
+            order = torch.randperm(rest.size, generator=torch.Generator().manual_seed(rest.size))
+            rest = rest[order.numpy()]
+        return torch.from_numpy(rest)
+
+    @_sample_list.setter
+    def _sample_list(self, value: torch.Tensor | None) -> None:
+        self.__dict__["_fr_list"], self.__dict__["_fr_lazy"] = value, False
+
+    def _fr_next_trajectories(self, storage: Any, n_all: int, num_slices: int) -> np.ndarray:
+        """TorchRL's ``SamplerWithoutReplacement.sample`` over ``n_all`` trajectory ranks.
+
+        Same epochs, ``drop_last``, ``shuffle=False`` order, ``ran_out`` and
+        ``_remaining_batches``. ``O(num_slices)`` per call once the epoch is drawn lazily.
+        """
         if n_all < num_slices and self.drop_last:
             raise ValueError(
                 f"num_slices={num_slices} is greater than the number of stored trajectories "
                 f"({n_all}) with drop_last=True: a sample cannot avoid repeating trajectories. "
                 "Sample fewer slices or pass drop_last=False."
             )
-        if self.len_storage != n_all or self._sample_list is None:
-            self._get_sample_list(storage, n_all, batch_size=num_slices)
+        if self.len_storage != n_all or not (self._fr_lazy or self._fr_list is not None):
+            self._fr_new_epoch(storage, n_all, num_slices)
         self.len_storage = n_all
-        return self._single_sample(n_all, num_slices)
+        if self._fr_lazy:
+            perm = self._fr_perm
+            ranks = perm.draw(num_slices, self._rng) if self.shuffle else perm.take(num_slices)
+            left = perm.remaining
+        else:  # TorchRL's list: taken in order
+            ranks = self._fr_list[:num_slices].cpu().numpy()
+            self._fr_list = self._fr_list[num_slices:]
+            left = self._fr_list.numel()
+        if self.drop_last:
+            self._remaining_batches = left // num_slices
+        else:
+            self._remaining_batches = -(left // -num_slices)
+        self.ran_out = left == 0 or (self.drop_last and left < num_slices)
+        if self.ran_out:
+            self._fr_new_epoch(storage, n_all, num_slices)
+        return ranks
+
+    def _fr_new_epoch(self, storage: Any, n_all: int, num_slices: int) -> None:
+        """A new permutation of ``n_all`` trajectories (TorchRL's ``_get_sample_list``)."""
+        if n_all <= self._fr_lazy_above:
+            self._get_sample_list(storage, n_all, batch_size=num_slices)
+            return
+        self._fr_perm.reset(n_all)  # O(1) amortised
+        self._fr_list, self._fr_lazy = None, True
+        if self.drop_last:
+            self._remaining_batches = n_all // num_slices
+        else:
+            self._remaining_batches = -(n_all // -num_slices)
+
+
+def _take(leaf: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``leaf[index]``; with numpy for the boolean flags of a 1-dim CPU storage (4x faster)."""
+    if len(index) == 1 and leaf.dtype == torch.bool and leaf.device.type == "cpu":
+        return torch.from_numpy(np.take(leaf.numpy(), index[0].numpy(), axis=0))
+    return leaf[index]
 
 
 # TorchRL's sampler metaclass reads its dispatch table to treat ``replacement=False`` on a
