@@ -177,37 +177,68 @@ class PriorityTrees:
 
     # ------------------------------------------------------------------ updates
     def update(
-        self, index: torch.Tensor, mass: torch.Tensor | float, raw: torch.Tensor | float
+        self,
+        index: torch.Tensor,
+        mass: torch.Tensor | float,
+        raw: torch.Tensor | float,
+        *,
+        rebuild: bool = True,
     ) -> None:
         """Write ``mass`` and ``raw`` priorities at leaves ``index``; O(k log_B capacity).
 
         ``index`` holds in-range slots; a repeated slot takes its last value, as when writing
         one slot at a time. ``mass`` and ``raw`` hold one value per index, or one for all (a
         one-element tensor, or floats). Every level costs a fixed number of vectorized ops.
+        Writes of more than ``capacity / 64`` slots, or with ``rebuild=False``, write the
+        leaves in place (sorted first: streaming stores) and then rebuild every internal node
+        (O(capacity)), or leave that to the caller's :meth:`rebuild` after its last write.
         """
         index = self._index(index)
         k = index.numel()
         if k == 0:
             return
-        if isinstance(mass, torch.Tensor) and isinstance(raw, torch.Tensor):
+        if not isinstance(mass, torch.Tensor) or not isinstance(raw, torch.Tensor):  # floats
+            values = [[float(mass)], [float(mass)], [-float(raw)]]
+            leaves = torch.tensor(values, dtype=torch.float64, device=self.device)
+        else:
             raw = self._float(raw)
             mass = mass if mass.device == self.device else mass.to(self.device)
             mass = mass if mass.ndim == 1 else mass.reshape(-1)
+            if k * _BULK > self.capacity or not rebuild:
+                self._write_leaves(index, mass, raw, rebuild)
+                return
             leaves = torch.stack([mass, mass, raw.neg()])  # (float64 whatever the mass dtype)
-        else:
-            values = [[float(mass)], [float(mass)], [-float(raw)]]
-            leaves = torch.tensor(values, dtype=torch.float64, device=self.device)
         if leaves.shape[1] == 1:  # one value for all: repeats write the same value
             leaves = leaves.expand(3, k)
         elif k > 1:
             leaves = leaves.index_select(1, self._last_wins(index))
-        if k * _BULK > self.capacity:  # bulk: write rows in place, then rebuild
+        if k * _BULK > self.capacity or not rebuild:
             for row, values in zip(self._leaf_rows, leaves, strict=True):
                 row.index_copy_(0, index, values)
+            if rebuild:
+                self.rebuild()
+            return
+        self.levels[0].index_copy_(1, index, leaves)
+        self._propagate(index)
+
+    def _write_leaves(
+        self, index: torch.Tensor, mass: torch.Tensor, raw: torch.Tensor, rebuild: bool
+    ) -> None:
+        """Bulk write: sorted (stable) slots, the last of each run kept, streaming stores."""
+        k = index.numel()
+        if raw.numel() > 1:
+            index, order = index.sort(stable=True)
+            last = torch.ones_like(index, dtype=torch.bool)
+            torch.ne(index[1:], index[:-1], out=last[:-1])
+            keep = last.nonzero().squeeze(1)
+            index, order = index.index_select(0, keep), order.index_select(0, keep)
+            mass, raw = mass.index_select(0, order), raw.index_select(0, order)
+            k = index.numel()
+        mass = mass.to(torch.float64).expand(k)
+        for row, values in zip(self._leaf_rows, (mass, mass, raw.neg().expand(k)), strict=True):
+            row.index_copy_(0, index, values)
+        if rebuild:
             self.rebuild()
-        else:
-            self.levels[0].index_copy_(1, index, leaves)
-            self._propagate(index)
 
     def clear(self, index: torch.Tensor) -> None:
         """Reset leaves ``index`` to the neutral (unwritten) state; O(k log_B capacity)."""

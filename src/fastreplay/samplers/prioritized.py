@@ -564,7 +564,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 checked = self._validate(index, values.to(torch.float64), stored)
                 if checked is not None:
                     p_max = max(p_max, checked[2])
-                    self._write_torch(checked[0], checked[1])
+                    self._write_torch(checked[0], checked[1], rebuild=False)
+            self._trees.rebuild()  # once, after the leaves of every chunk
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
             # Rare (a new all-time max): find its slot for the _max_priority view. O(k).
             checked = self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
@@ -574,12 +575,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
     _bulk_chunk = 1 << 18  # smallest chunk of a bulk write on the torch backend
 
-    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor) -> None:
+    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor, *, rebuild: bool = True) -> None:
         """Write checked float64 priorities (one per slot, or one for all) on the torch backend.
 
         The trees resolve repeated slots themselves (the last occurrence wins).
+        ``rebuild=False`` writes the leaves only: the caller rebuilds after its last chunk.
         """
-        self._trees.update(flat, self._mass(raw), raw)
+        self._trees.update(flat, self._mass(raw), raw, rebuild=rebuild)
 
     def _validate(
         self, flat: torch.Tensor, raw: torch.Tensor, stored: int
