@@ -11,21 +11,16 @@ tensors, so every level of a batched update is a handful of torch ops whatever t
   re-derive the mass for a new ``alpha`` exactly, even from ``alpha == 0``. It is a negated
   *min* tree rather than a max tree so rows 1 and 2 share one ``amin`` per level.
 
-The trees are ``branching``-ary (32 by default) rather than binary, and their root reduces a
-whole narrow level (at most ``top`` nodes, 16384 by default) at once: 10M slots need 3 levels
-above the leaves instead of 24. On CPU each torch op costs microseconds, so the number of
-levels (not the work per level) sets the cost of small batched updates and searches; a search
-starts with one ``searchsorted`` over the prefix sums of that narrow level.
-
-All rows are float64 whatever the sampler's dtype: the caller rounds the mass to its own
-dtype before writing, so leaves hold exactly what a float32 tree would, while internal sums
-accumulate in float64.
+The trees are ``branching``-ary (32 by default) and their root reduces a whole narrow level
+(at most ``top`` nodes) at once: 10M slots need 3 levels above the leaves instead of 24. On
+CPU each torch op costs microseconds, so the number of levels (not the work per level) sets
+the cost of small batched writes and searches. All rows are float64: the caller rounds the
+mass to its dtype first, so leaves hold what a float32 tree would; sums accumulate in float64.
 
 Precision hazard (as in flashbax's sum tree): a parent sum and the running ``cumsum`` over its
-children are computed in different orders, so a uniform draw just below the root can overshoot
-every child by a rounding error and land on an empty (zero-mass) slot. :meth:`search` guards
-against this: at each level it never descends past the last child with positive mass, so it
-always returns a slot with positive mass when the root is positive.
+children round differently, so a draw just below the total can overshoot every child and land
+on an empty slot. :meth:`search` checks its leaves and then redoes such a search never
+descending past a node's last positive child: it returns slots with positive mass.
 
 Example:
     >>> import torch
@@ -48,13 +43,11 @@ import torch
 __all__ = ["BACKENDS", "PriorityTrees", "available_backends", "make_trees"]
 
 _INF = math.inf
-# The root reduces every node of the first level with at most this many nodes at once (one
-# sum and one amin per write; one cumsum and searchsorted per search): fewer levels, fewer ops.
+# The root reduces the first level of at most this many nodes whole (per write one sum and one
+# amin; per search one cumsum and one searchsorted): fewer levels, fewer ops.
 _TOP = 16384
-# Scratch buffers of the write path are kept for batches up to this size.
-_SCRATCH_UP_TO = 4096
-# Writes of more than ``capacity / _BULK`` leaves copy the leaf rows in place and rebuild every
-# internal node (O(capacity), no per-level temporaries) instead of walking their ancestors.
+_SCRATCH_UP_TO = 4096  # scratch buffers of the write path are kept for batches up to this size
+# Writes of more than ``capacity / _BULK`` leaves store the leaf rows and rebuild every node.
 _BULK = 64
 # Batched (2-D) ``torch.searchsorted`` is a single fast op from torch 2.15 on; before, it is
 # ~1000x slower on CPU than a comparison and a count, which older versions use instead.
@@ -122,7 +115,6 @@ class PriorityTrees:
         self._root = levels[-1][:, 0]
         self._leaf_rows = levels[0].unbind(0)
         self._scratch = self._leaf_rows[0].view(torch.long)  # same bytes, for _last_wins
-        self._arange: dict[int, torch.Tensor] = {}
         widths = [b] * (len(levels) - 2) + [levels[-2].shape[1]]
         self._groups = [level.view(3, -1, w) for level, w in zip(levels, widths, strict=False)]
         self._sum_groups = [group[0] for group in self._groups]
@@ -194,62 +186,41 @@ class PriorityTrees:
         (O(capacity)), or leave that to the caller's :meth:`rebuild` after its last write.
         """
         index = self._index(index)
-        k = index.numel()
-        if k == 0:
-            return
-        if not isinstance(mass, torch.Tensor) or not isinstance(raw, torch.Tensor):  # floats
-            values = [[float(mass)], [float(mass)], [-float(raw)]]
-            leaves = torch.tensor(values, dtype=torch.float64, device=self.device)
-        else:
-            raw = self._float(raw)
+        if isinstance(mass, torch.Tensor) and isinstance(raw, torch.Tensor):
             mass = mass if mass.device == self.device else mass.to(self.device)
             mass = mass if mass.ndim == 1 else mass.reshape(-1)
-            if k * _BULK > self.capacity or not rebuild:
-                self._write_leaves(index, mass, raw, rebuild)
-                return
-            leaves = torch.stack([mass, mass, raw.neg()])  # (float64 whatever the mass dtype)
-        if leaves.shape[1] == 1:  # one value for all: repeats write the same value
-            leaves = leaves.expand(3, k)
-        elif k > 1:
-            leaves = leaves.index_select(1, self._last_wins(index))
-        if k * _BULK > self.capacity or not rebuild:
+            leaves = torch.stack([mass, mass, self._float(raw).neg()])  # float64 whatever mass
+        else:  # floats: one value for all
+            values = [[float(mass)], [float(mass)], [-float(raw)]]
+            leaves = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self._write(index, leaves, rebuild)
+
+    def _write(self, index: torch.Tensor, leaves: torch.Tensor, rebuild: bool = True) -> None:
+        """Write leaf columns ``leaves`` (3, k), or one column for all, at ``index``."""
+        k = index.numel()
+        if k * _BULK > self.capacity or not rebuild:  # bulk: streaming stores, one rebuild
+            if leaves.shape[1] > 1:  # sorted (stable) slots, the last of each run kept
+                index, order = index.sort(stable=True)
+                last = torch.ones_like(index, dtype=torch.bool)
+                torch.ne(index[1:], index[:-1], out=last[:-1])
+                keep = last.nonzero().squeeze(1)
+                index, order = index.index_select(0, keep), order.index_select(0, keep)
+                leaves = [row.index_select(0, order) for row in leaves]
             for row, values in zip(self._leaf_rows, leaves, strict=True):
-                row.index_copy_(0, index, values)
+                row.index_copy_(0, index, values.expand(index.numel()))
             if rebuild:
                 self.rebuild()
-            return
-        self.levels[0].index_copy_(1, index, leaves)
-        self._propagate(index)
-
-    def _write_leaves(
-        self, index: torch.Tensor, mass: torch.Tensor, raw: torch.Tensor, rebuild: bool
-    ) -> None:
-        """Bulk write: sorted (stable) slots, the last of each run kept, streaming stores."""
-        k = index.numel()
-        if raw.numel() > 1:
-            index, order = index.sort(stable=True)
-            last = torch.ones_like(index, dtype=torch.bool)
-            torch.ne(index[1:], index[:-1], out=last[:-1])
-            keep = last.nonzero().squeeze(1)
-            index, order = index.index_select(0, keep), order.index_select(0, keep)
-            mass, raw = mass.index_select(0, order), raw.index_select(0, order)
-            k = index.numel()
-        mass = mass.to(torch.float64).expand(k)
-        for row, values in zip(self._leaf_rows, (mass, mass, raw.neg().expand(k)), strict=True):
-            row.index_copy_(0, index, values)
-        if rebuild:
-            self.rebuild()
+        elif k:
+            if leaves.shape[1] == 1:  # one value for all: repeats write the same value
+                leaves = leaves.expand(3, k)
+            elif k > 1:
+                leaves = leaves.index_select(1, self._last_wins(index))
+            self.levels[0].index_copy_(1, index, leaves)
+            self._propagate(index)
 
     def clear(self, index: torch.Tensor) -> None:
         """Reset leaves ``index`` to the neutral (unwritten) state; O(k log_B capacity)."""
-        index = self._index(index)
-        if index.numel() * _BULK > self.capacity:
-            for row, value in zip(self._leaf_rows, (0.0, _INF, _INF), strict=True):
-                row.index_fill_(0, index, value)
-            self.rebuild()
-        elif index.numel():
-            self.levels[0].index_copy_(1, index, self._neutral.expand(3, index.numel()))
-            self._propagate(index)
+        self._write(self._index(index), self._neutral)
 
     def reset(self) -> None:
         """Reset every slot to unwritten. O(capacity)."""
@@ -272,12 +243,7 @@ class PriorityTrees:
         O(k), no sort: the leaf sum row serves as scratch (the caller overwrites those slots
         next) and a deterministic ``amax`` scatter keeps the largest position per slot.
         """
-        k = index.numel()
-        position = self._arange.get(k)
-        if position is None:
-            position = torch.arange(k, device=self.device)
-            if k <= 4096:  # the usual batch sizes repeat: keep a few
-                self._arange = {**dict(list(self._arange.items())[-7:]), k: position}
+        position = self._scratch_for(index.numel())[-1]
         self._scratch.scatter_reduce_(0, index, position, "amax", include_self=False)
         return self._scratch.index_select(0, index)
 
@@ -285,7 +251,7 @@ class PriorityTrees:
         """Recompute the ancestors of leaves ``index`` (repeats allowed), bottom up."""
         if len(self.levels) > 2:
             nodes = torch.div(index, self._strides, rounding_mode="floor")
-            group, sums, mins, value, sum_out, min_out = self._scratch_for(index.numel())
+            group, sums, mins, value, sum_out, min_out, _ = self._scratch_for(index.numel())
             for depth, node in enumerate(nodes.unbind(0)):
                 # (index_select / index_copy_: advanced indexing on dim 1 is ~300x slower.)
                 torch.index_select(self._groups[depth], 1, node, out=group)
@@ -297,12 +263,13 @@ class PriorityTrees:
         torch.amin(mins, -1, out=min_out)
 
     def _scratch_for(self, k: int) -> tuple[torch.Tensor, ...]:
-        """Buffers (and their row views) for the gathered groups and new values of k nodes."""
+        """Buffers (with row views) for k gathered groups and their values; positions 0..k-1."""
         found = self._scratch_out.get(k)
         if found is None:
             group = torch.empty(3, k, self.branching, dtype=torch.float64, device=self.device)
             value = torch.empty(3, k, dtype=torch.float64, device=self.device)
-            found = (group, group[0], group[1:], value, value[0], value[1:])
+            position = torch.arange(k, device=self.device)
+            found = (group, group[0], group[1:], value, value[0], value[1:], position)
             if k <= _SCRATCH_UP_TO:  # the usual batch sizes repeat: keep a few
                 self._scratch_out = {**dict(list(self._scratch_out.items())[-3:]), k: found}
         return found
@@ -332,12 +299,9 @@ class PriorityTrees:
     def search(self, prefix: torch.Tensor, *, guard: bool = False) -> torch.Tensor:
         """Leaf of each prefix mass: smallest ``i`` with ``sum(mass[: i + 1]) > prefix``.
 
-        O(s log_B capacity) for ``s`` queries with a fixed number of torch ops per level.
-        Prefixes at or beyond :meth:`total` return the last slot with positive mass, so the
-        result always has positive mass while :meth:`total` is positive (see the module
-        docstring for the rounding hazard): the fast search checks its leaves (one op) and,
-        if one has zero mass, redoes the search with ``guard=True``, which never descends
-        past a node's last positive child.
+        O(s log_B capacity), a fixed number of torch ops per level. Prefixes at or beyond
+        :meth:`total` give the last slot with positive mass; found slots have positive mass
+        while :meth:`total` is (``guard=True``: the module docstring's rounding guard only).
         """
         prefix = self._float(prefix)
         if guard:
