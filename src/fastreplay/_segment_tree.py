@@ -118,6 +118,7 @@ class PriorityTrees:
         widths = [b] * (len(levels) - 2) + [levels[-2].shape[1]]
         self._groups = [level.view(3, -1, w) for level, w in zip(levels, widths, strict=False)]
         self._sum_groups = [group[0] for group in self._groups]
+        self._top_row = self._sum_groups[-1][0]  # sums of the root's children
         # (sum input, min inputs, sum output, min outputs) to rebuild each parent level whole
         self._rebuilds = [
             (g[0], g[1:], parent[0, : g.shape[1]], parent[1:, : g.shape[1]])
@@ -154,6 +155,10 @@ class PriorityTrees:
         if index.ndim == 1 and index.dtype == torch.long:
             return self._leaf_rows[0].index_select(0, index)
         return self.levels[0][0, index]
+
+    def max_raw_of(self, index: torch.Tensor) -> float:
+        """Largest raw priority among leaves ``index`` (``-inf`` if none is written). O(k)."""
+        return -self._leaf_rows[2].index_select(0, index).amin().item()
 
     def raw(self) -> torch.Tensor:
         """Raw priority of every slot (``-inf`` where unwritten), a new tensor. O(capacity)."""
@@ -325,7 +330,7 @@ class PriorityTrees:
 
     def _descend(self, prefix: torch.Tensor) -> torch.Tensor:
         """Fast descent: one flat search over a narrow level, then group by group below it."""
-        b, row = self.branching, self.levels[-2][0]
+        b, row = self.branching, self._top_row
         cumsum = row.cumsum(0)
         node = torch.searchsorted(cumsum, prefix, right=True).clamp_max_(row.numel() - 1)
         if len(self.levels) == 2:

@@ -658,7 +658,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         trees = self._trees
         # Clear the overwritten slots first if one of them holds the live max.
         within = self._max_priority_within_buffer
-        if within and -trees.levels[0][2].index_select(0, flat).amin().item() >= trees.max_raw():
+        if within and trees.max_raw_of(flat) >= trees.max_raw():
             trees.clear(flat)
         value = self._default_value()
         self._check_mass(value, what="priority")
