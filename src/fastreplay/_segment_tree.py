@@ -194,6 +194,10 @@ class PriorityTrees:
         if isinstance(mass, torch.Tensor) and isinstance(raw, torch.Tensor):
             mass = mass if mass.device == self.device else mass.to(self.device)
             mass = mass if mass.ndim == 1 else mass.reshape(-1)
+            if index.numel() * _BULK > self.capacity or not rebuild:  # no (3, k) temporaries
+                mass = self._float(mass)
+                self._write_bulk(index, [mass, mass, self._float(raw).neg()], rebuild)
+                return
             leaves = torch.stack([mass, mass, self._float(raw).neg()])  # float64 whatever mass
         else:  # floats: one value for all
             values = [[float(mass)], [float(mass)], [-float(raw)]]
@@ -203,18 +207,8 @@ class PriorityTrees:
     def _write(self, index: torch.Tensor, leaves: torch.Tensor, rebuild: bool = True) -> None:
         """Write leaf columns ``leaves`` (3, k), or one column for all, at ``index``."""
         k = index.numel()
-        if k * _BULK > self.capacity or not rebuild:  # bulk: streaming stores, one rebuild
-            if leaves.shape[1] > 1:  # sorted (stable) slots, the last of each run kept
-                index, order = index.sort(stable=True)
-                last = torch.ones_like(index, dtype=torch.bool)
-                torch.ne(index[1:], index[:-1], out=last[:-1])
-                keep = last.nonzero().squeeze(1)
-                index, order = index.index_select(0, keep), order.index_select(0, keep)
-                leaves = [row.index_select(0, order) for row in leaves]
-            for row, values in zip(self._leaf_rows, leaves, strict=True):
-                row.index_copy_(0, index, values.expand(index.numel()))
-            if rebuild:
-                self.rebuild()
+        if k * _BULK > self.capacity or not rebuild:
+            self._write_bulk(index, list(leaves), rebuild)
         elif k:
             if leaves.shape[1] == 1:  # one value for all: repeats write the same value
                 leaves = leaves.expand(3, k)
@@ -222,6 +216,27 @@ class PriorityTrees:
                 leaves = leaves.index_select(1, self._last_wins(index))
             self.levels[0].index_copy_(1, index, leaves)
             self._propagate(index)
+
+    def _write_bulk(self, index: torch.Tensor, rows: list[torch.Tensor], rebuild: bool) -> None:
+        """Store leaf rows (one value each, or one per index) sorted: streaming stores."""
+        if rows[2].numel() > 1:  # sorted (stable) slots, the last of each run kept
+            index, order = index.sort(stable=True)
+            last = torch.ones_like(index, dtype=torch.bool)
+            torch.ne(index[1:], index[:-1], out=last[:-1])
+            keep = last.nonzero().squeeze(1)
+            index, order = index.index_select(0, keep), order.index_select(0, keep)
+            del last, keep
+            mass = rows[0].index_select(0, order)  # rows 0 and 1: the same mass, gathered once
+            same = rows[1] is rows[0]
+            rows = [
+                mass,
+                mass if same else rows[1].index_select(0, order),
+                rows[2].index_select(0, order),
+            ]
+        for row, values in zip(self._leaf_rows, rows, strict=True):
+            row.index_copy_(0, index, values.expand(index.numel()))
+        if rebuild:
+            self.rebuild()
 
     def clear(self, index: torch.Tensor) -> None:
         """Reset leaves ``index`` to the neutral (unwritten) state; O(k log_B capacity)."""

@@ -543,18 +543,18 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 raise AssertionError(f"unreported bad priority write (status {status})")
             self._check_mass(p_max, what="priority")
             self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
-        elif flat.numel() <= max(self._slots // 8, self._bulk_chunk):
+        elif flat.numel() <= max(self._slots // 16, self._bulk_chunk):
             raw = raw if raw.dtype == torch.float64 else raw.to(torch.float64)
             checked = self._validate(flat, raw, stored)
             p_max = -math.inf if checked is None else checked[2]
             if checked is not None:
                 self._write_torch(checked[0], checked[1])
         else:
-            # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all
+            # Chunks of at most capacity / 16 items bound the temporaries of a bulk write; all
             # chunks are checked before any is written, and later chunks overwrite earlier
             # ones, so the last occurrence of a slot still wins.
             raw = raw.expand(flat.shape)
-            step = max(self._slots // 8, self._bulk_chunk)
+            step = max(self._slots // 16, self._bulk_chunk)
             chunks = [(flat[i : i + step], raw[i : i + step]) for i in range(0, raw.numel(), step)]
             if len(chunks) > 1:
                 for index, values in chunks:
@@ -573,7 +573,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 self._all_time_at = int(checked[0][checked[1].argmax()])
             self._all_time_max = p_max
 
-    _bulk_chunk = 1 << 18  # smallest chunk of a bulk write on the torch backend
+    _bulk_chunk = 1 << 16  # smallest chunk of a bulk write on the torch backend
 
     def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor, *, rebuild: bool = True) -> None:
         """Write checked float64 priorities (one per slot, or one for all) on the torch backend.
