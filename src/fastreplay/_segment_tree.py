@@ -6,10 +6,8 @@ tensors, so every level of a batched update is a handful of torch ops whatever t
 * row 0, a **sum tree** over the sampling mass ``(p + eps) ** alpha`` (neutral ``0``);
 * row 1, a **min tree** over the same mass (neutral ``+inf``), for the importance weights;
 * row 2, a **negated-min tree** over the RAW priorities ``-p`` (neutral ``+inf``): its root is
-  minus the live maximum raw priority of the written slots. Keeping raw values (not the mass)
-  makes that maximum exact (no ``** (1 / alpha)`` round trip) and lets :meth:`retransform`
-  re-derive the mass for a new ``alpha`` exactly, even from ``alpha == 0``. It is a negated
-  *min* tree rather than a max tree so rows 1 and 2 share one ``amin`` per level.
+  minus the live maximum raw priority, exact (no ``** (1 / alpha)`` round trip), and the mass
+  can be re-derived for a new ``alpha`` exactly. Rows 1 and 2 share one ``amin`` per level.
 
 The trees are ``branching``-ary (32 by default) and their root reduces a whole narrow level
 (at most ``top`` nodes) at once: 10M slots need 3 levels above the leaves instead of 24. On
@@ -102,8 +100,7 @@ class PriorityTrees:
             sizes[-1] = math.ceil(sizes[-1] / branching) * branching
             sizes.append(sizes[-1] // branching)
         sizes.append(1)
-        # levels[0] holds the leaves, levels[-1] the root (shape (3, 1)), which reduces the
-        # whole of levels[-2] (at most ``top`` nodes); other nodes have ``branching`` children.
+        # levels[0]: the leaves; levels[-1]: the root (3, 1), over all of levels[-2].
         neutral = torch.tensor([[0.0], [_INF], [_INF]], dtype=torch.float64, device=self.device)
         self.levels: list[torch.Tensor] = [neutral.expand(3, n).clone() for n in sizes]
         self._views()
@@ -181,14 +178,11 @@ class PriorityTrees:
         *,
         rebuild: bool = True,
     ) -> None:
-        """Write ``mass`` and ``raw`` priorities at leaves ``index``; O(k log_B capacity).
+        """Write ``mass`` and ``raw`` (one per index, or one for all) at in-range leaves ``index``.
 
-        ``index`` holds in-range slots; a repeated slot takes its last value, as when writing
-        one slot at a time. ``mass`` and ``raw`` hold one value per index, or one for all (a
-        one-element tensor, or floats). Every level costs a fixed number of vectorized ops.
-        Writes of more than ``capacity / 64`` slots, or with ``rebuild=False``, write the
-        leaves in place (sorted first: streaming stores) and then rebuild every internal node
-        (O(capacity)), or leave that to the caller's :meth:`rebuild` after its last write.
+        O(k log_B capacity), a fixed number of ops per level; a repeated slot takes its last
+        value. Writes of over ``capacity / 64`` slots store the leaves, then rebuild every node
+        (O(capacity)); ``rebuild=False`` leaves that to the caller's :meth:`rebuild`.
         """
         index = self._index(index)
         if isinstance(mass, torch.Tensor) and isinstance(raw, torch.Tensor):
