@@ -201,3 +201,109 @@ def test_make_trees_picks_and_rejects_backends(monkeypatch: pytest.MonkeyPatch) 
 def test_cuda_trees_are_torch() -> None:
     trees = make_trees(50, device="cuda")
     assert trees.backend == "torch" and trees.device.type == "cuda"
+
+
+# ---------------------------------------------------------------------- torch trees' own shapes
+# The torch trees' root reduces a whole narrow level (``top`` nodes) at once; small ``top``
+# values give deep trees, so the group-by-group write and search paths run at test sizes too.
+TOPS = [1, 3, 40, None]
+
+
+@pytest.mark.parametrize("top", TOPS)
+@pytest.mark.parametrize(("capacity", "branching"), [(7, 2), (50, 3), (1023, 4), (1023, 32)])
+def test_torch_trees_of_any_depth_match_brute_force(capacity: int, branching: int, top) -> None:
+    """Repeated slots (last wins), one value for all, floats, clears, bulk and deferred writes."""
+    gen = torch.Generator().manual_seed(capacity + branching + (top or 0))
+    trees = PriorityTrees(capacity, branching=branching, top=top)
+    mass = torch.zeros(capacity, dtype=torch.float64)
+    raw = torch.full((capacity,), -math.inf, dtype=torch.float64)
+    for step in range(24):
+        k = int(torch.randint(1, 2 * capacity, (1,), generator=gen)) // (1 + 20 * (step % 2))
+        index = torch.randint(0, capacity, (max(k, 1),), generator=gen)  # repeats
+        new_raw = torch.rand(index.numel(), generator=gen, dtype=torch.float64) * 10
+        if step % 6 == 5:
+            trees.clear(index)
+            mass[index], raw[index] = 0.0, -math.inf
+            new_raw = None
+        elif step % 6 == 4:  # one value for all, as floats
+            trees.update(index, 2.5, 6.25)
+            mass[index], raw[index] = 2.5, 6.25
+            new_raw = None
+        elif step % 6 == 3:  # leaves only, then one rebuild (as a chunked bulk write does)
+            trees.update(index, new_raw.sqrt().float(), new_raw, rebuild=False)
+            trees.rebuild()
+        else:
+            trees.update(index, new_raw.sqrt().float(), new_raw)
+        if new_raw is not None:
+            for i, p in zip(index.tolist(), new_raw.tolist(), strict=True):  # last wins
+                raw[i] = p
+                mass[i] = float(torch.tensor(p, dtype=torch.float64).sqrt().float())
+        total, m_min, m_max = _brute(mass, raw)
+        assert trees.total() == pytest.approx(total, rel=1e-12, abs=1e-12)
+        assert (trees.min_mass(), trees.max_raw()) == (m_min, m_max)
+        assert torch.equal(trees.raw(), raw) and torch.equal(trees.leaf_mass(), mass)
+    rebuilt = PriorityTrees(capacity, branching=branching, top=top)
+    rebuilt.set_leaves(mass, raw)
+    for a, b in zip(trees.levels, rebuilt.levels, strict=True):
+        assert torch.equal(a, b)  # incremental writes equal a full rebuild, bit for bit
+    if trees.total() > 0:
+        prefix = torch.rand(500, generator=gen, dtype=torch.float64) * trees.total()
+        expected = torch.searchsorted(mass.cumsum(0), prefix, right=True)
+        found, found_mass = trees.search_with_mass(prefix)
+        assert torch.equal(found, expected)
+        assert torch.equal(found_mass, mass[expected])
+        last = int((mass > 0).nonzero().max())
+        beyond = torch.tensor([trees.total(), trees.total() * 2], dtype=torch.float64)
+        assert trees.search(beyond).tolist() == [last, last]
+
+
+def test_torch_tree_levels() -> None:
+    """Levels: padded to whole groups below the root, whose level has at most ``top`` nodes."""
+    sizes = [level.shape[1] for level in PriorityTrees(1023, branching=4, top=16).levels]
+    assert sizes == [1024, 256, 64, 16, 1]
+    assert [level.shape[1] for level in PriorityTrees(1023, top=2000).levels] == [1023, 1]
+    assert [level.shape[1] for level in PriorityTrees(1, top=1).levels] == [1, 1]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_torch_search_either_searchsorted(monkeypatch: pytest.MonkeyPatch, batched: bool) -> None:
+    """Batched 2-D searchsorted (torch >= 2.15) and compare-and-count give the same leaves."""
+    import fastreplay._segment_tree as segment_tree
+
+    monkeypatch.setattr(segment_tree, "_BATCHED_SEARCHSORTED", batched)
+    gen = torch.Generator().manual_seed(4)
+    mass = torch.randint(0, 4, (1023,), generator=gen).double()  # zeros, exact sums
+    trees = PriorityTrees(1023, branching=8, top=2)
+    trees.set_leaves(mass, torch.where(mass > 0, mass, -math.inf))
+    prefix = torch.arange(0, int(mass.sum())).double() + 0.5
+    assert torch.equal(trees.search(prefix), torch.searchsorted(mass.cumsum(0), prefix, right=True))
+
+
+def test_torch_trees_pickle_and_copy_independently() -> None:
+    import copy
+
+    trees = PriorityTrees(50, branching=4, top=3)
+    trees.update(torch.tensor([3, 9]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
+    for clone in (pickle.loads(pickle.dumps(trees)), copy.deepcopy(trees)):
+        clone.update(torch.tensor([5]), torch.tensor([3.0]), torch.tensor([9.0]))
+        assert (clone.total(), clone.max_raw()) == (6.0, 9.0)
+        assert clone.search(torch.tensor([5.5], dtype=torch.float64)).tolist() == [9]
+    assert (trees.total(), trees.max_raw()) == (3.0, 4.0)
+
+
+def test_sampler_on_deep_torch_trees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's brute-force oracle (repeats, -1 markers, alpha changes) on deep trees."""
+    import fastreplay._segment_tree as segment_tree
+    from conformance.test_tree_backends import test_brute_force_oracle
+
+    monkeypatch.setattr(segment_tree, "_TOP", 2)
+    test_brute_force_oracle("torch", 1023)
+
+
+def test_torch_last_wins_positions() -> None:
+    """Repeats resolve to the last occurrence by construction, not by the order of a scatter
+    (which CUDA does not guarantee): every entry maps to its slot's last position."""
+    trees = PriorityTrees(50)
+    index = torch.tensor([3, 5, 3, 7, 5, 3, 49])
+    assert trees._last_wins(index).tolist() == [5, 4, 5, 3, 4, 5, 6]
+    assert trees.total() == 0.0  # the scratch row is only written at slots about to be written

@@ -407,8 +407,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         )
 
     def _mass(self, raw: torch.Tensor) -> torch.Tensor:
-        raw = raw.to(torch.float64)
-        return torch.pow(raw + self._eps, self._alpha).to(self.dtype)
+        raw = raw if raw.dtype == torch.float64 else raw.to(torch.float64)
+        mass = torch.pow(raw + self._eps, self._alpha)
+        return mass if self.dtype == torch.float64 else mass.to(self.dtype)
 
     # ------------------------------------------------------------------ writes
     def add(self, index: int | torch.Tensor) -> None:
@@ -419,6 +420,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
     def _flat_index(self, index: Any, storage: Storage | None) -> torch.Tensor:
         """1-D long tensor of flat slots (coordinates are raveled with the storage shape)."""
+        if (  # hot path: already a flat long tensor on the trees' device
+            type(index) is torch.Tensor
+            and index.dtype == torch.long
+            and index.ndim == 1
+            and index.device == self._trees.device
+        ):
+            return index
         if isinstance(index, tuple):
             index = torch.stack([torch.as_tensor(i) for i in index], -1)
         index = torch.as_tensor(index, device=self.device)
@@ -505,7 +513,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             self._write(index, priority, self._stored(storage))
             return
         flat = self._flat_index(index, storage)
-        priority = torch.as_tensor(priority, device=self.device).detach()
+        if type(priority) is not torch.Tensor or priority.device != self._trees.device:
+            priority = torch.as_tensor(priority, device=self.device)
+        if priority.requires_grad:
+            priority = priority.detach()
         if priority.dtype not in _FLOAT_DTYPES:  # ints, float16, bfloat16: exact in float64
             if priority.dtype == torch.bool or priority.is_complex():
                 raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
@@ -518,7 +529,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             )
         if flat.numel() == 0:
             return
-        self._write(flat, priority.reshape(-1), self._stored(storage))
+        priority = priority if priority.ndim == 1 else priority.reshape(-1)
+        self._write(flat, priority, self._stored(storage))
 
     def _write(self, flat: torch.Tensor, raw: torch.Tensor, stored: int) -> None:
         """Check, then write raw priorities ``raw`` (one per slot, or one for all) at ``flat``.
@@ -538,12 +550,18 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             elif status != _OK:
                 self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
                 raise AssertionError(f"unreported bad priority write (status {status})")
+        elif flat.numel() <= max(self._slots // 16, self._bulk_chunk):
+            raw = raw if raw.dtype == torch.float64 else raw.to(torch.float64)
+            checked = self._validate(flat, raw, stored)
+            p_max = -math.inf if checked is None else checked[2]
+            if checked is not None:
+                self._write_torch(checked[0], checked[1])
         else:
-            # Chunks of at most capacity / 8 items bound the temporaries of a bulk write; all
+            # Chunks of at most capacity / 16 items bound the temporaries of a bulk write; all
             # chunks are checked before any is written, and later chunks overwrite earlier
             # ones, so the last occurrence of a slot still wins.
             raw = raw.expand(flat.shape)
-            step = max(self._slots // 8, self._bulk_chunk)
+            step = max(self._slots // 16, self._bulk_chunk)
             chunks = [(flat[i : i + step], raw[i : i + step]) for i in range(0, raw.numel(), step)]
             if len(chunks) > 1:
                 for index, values in chunks:
@@ -553,7 +571,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 checked = self._validate(index, values.to(torch.float64), stored)
                 if checked is not None:
                     p_max = max(p_max, checked[2])
-                    self._write_torch(checked[0], checked[1])
+                    self._write_torch(checked[0], checked[1], rebuild=False)
+            self._trees.rebuild()  # once, after the leaves of every chunk
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
             # Rare (a new all-time max): find its slot for the _max_priority view. O(k).
             checked = self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
@@ -561,35 +580,34 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 self._all_time_at = int(checked[0][checked[1].argmax()])
             self._all_time_max = p_max
 
-    _bulk_chunk = 1 << 18  # smallest chunk of a bulk write on the torch backend
+    _bulk_chunk = 1 << 16  # smallest chunk of a bulk write on the torch backend
 
-    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor) -> None:
-        """Write checked float64 priorities on the torch backend (last occurrence wins)."""
-        if flat.numel() > 1:
-            # (torch.searchsorted would save the compaction but stalls for ms on busy CPUs.)
-            flat, order = torch.sort(flat, stable=True)
-            last = torch.ones_like(flat, dtype=torch.bool)
-            torch.ne(flat[1:], flat[:-1], out=last[:-1])
-            keep = last.nonzero().squeeze(1)
-            flat = flat.index_select(0, keep)
-            raw = raw.index_select(0, order.index_select(0, keep))
-        self._trees.update(flat, self._mass(raw), raw)
+    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor, *, rebuild: bool = True) -> None:
+        """Write checked float64 priorities (one per slot, or one for all) on the torch backend.
+
+        The trees resolve repeated slots themselves (the last occurrence wins).
+        ``rebuild=False`` writes the leaves only: the caller rebuilds after its last chunk.
+        """
+        self._trees.update(flat, self._mass(raw), raw, rebuild=rebuild)
 
     def _validate(
         self, flat: torch.Tensor, raw: torch.Tensor, stored: int
     ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k)."""
-        # One fused reduction and one host sync validate the common (valid) case.
-        i_min, i_max = torch.aminmax(flat)
-        p_min, p_max = torch.aminmax(raw)
-        i_min, i_max, p_min, p_max = torch.stack(
-            [i_min.to(torch.float64), i_max.to(torch.float64), p_min, p_max]
-        ).tolist()
+        # Two fused reductions validate the common (valid) case; ``raw`` may be one value.
+        bounds = [*torch.aminmax(flat), *(torch.aminmax(raw) if raw.numel() > 1 else (raw, raw))]
+        if flat.is_cpu:  # reading a CPU scalar is cheaper than stacking four
+            i_min, i_max, p_min, p_max = (value.item() for value in bounds)
+        else:  # one host sync
+            i_min, i_max, p_min, p_max = torch.stack(
+                [value.to(torch.float64).reshape(()) for value in bounds]
+            ).tolist()
         if i_min == -1:  # MaxValueWriter's "do not update" marker
             keep = flat != -1
-            flat, raw = flat[keep], raw[keep]
+            flat, raw = flat[keep], raw[keep] if raw.numel() > 1 else raw
             return self._validate(flat, raw, stored) if flat.numel() else None
         if not (i_min >= 0 and i_max < stored and p_min >= 0 and p_max < math.inf):
+            raw = raw.expand(flat.shape)
             bad_p = ~((raw >= 0) & (raw < math.inf))
             bad_i = (flat < 0) | (flat >= stored)
             problems = []
@@ -621,25 +639,42 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if flat.numel() == 0:
             return
         stored = self._stored(storage)
+        if not self._fused:
+            self._mark_update_torch(flat, stored)
+            return
         zero = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self._max_priority_within_buffer:
-            if self._fused:
-                index_np = flat.numpy()
-                status, _, _ = self._trees.check_priorities(
-                    index_np, zero.numpy(), stored, self._eps, self._alpha, False
-                )
-                if status != _OK:  # raises before any change
-                    self._validate(flat, zero.expand(flat.shape), stored)
-                self._trees.clear_if_holds_max(index_np)
-            else:
-                # Clear the overwritten slots first if one of them holds the live max.
-                valid = flat.clamp(0, self._slots - 1)
-                old = self._trees.levels[0][2].index_select(0, valid)
-                if bool((old <= self._trees.levels[-1][2, 0]).any()):
-                    checked = self._validate(flat, zero.expand(flat.shape), stored)  # raises first
-                    if checked is not None:
-                        self._trees.clear(checked[0])
+            index_np = flat.numpy()
+            status, _, _ = self._trees.check_priorities(
+                index_np, zero.numpy(), stored, self._eps, self._alpha, False
+            )
+            if status != _OK:  # raises before any change
+                self._validate(flat, zero.expand(flat.shape), stored)
+            self._trees.clear_if_holds_max(index_np)
         self._write(flat, zero.fill_(self._default_value()), stored)
+
+    def _mark_update_torch(self, flat: torch.Tensor, stored: int) -> None:
+        """:meth:`mark_update` on the torch backend: one value for all, so no dedupe. O(k log)."""
+        i_min, i_max = (value.item() for value in torch.aminmax(flat))
+        if not 0 <= i_min <= i_max < stored:  # -1 markers, or a bad index (raises first)
+            zero = torch.zeros(1, dtype=torch.float64, device=self.device)
+            checked = self._validate(flat, zero, stored)
+            if checked is None:
+                return
+            flat = checked[0]
+        trees = self._trees
+        # Clear the overwritten slots first if one of them holds the live max.
+        within = self._max_priority_within_buffer
+        if within and trees.max_raw_of(flat) >= trees.max_raw():
+            trees.clear(flat)
+        value = self._default_value()
+        self._check_mass(value, what="priority")
+        mass = (value + self._eps) ** self._alpha  # as the numba backend computes it
+        if self.dtype == torch.float32:
+            mass = float(np.float32(mass))
+        trees.update(flat, mass, value)
+        if not within and value > self._all_time_max:
+            self._all_time_at, self._all_time_max = int(flat[0]), value
 
     # ------------------------------------------------------------------ sampling
     @_locked
@@ -677,8 +712,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             draw_np = draw.numpy() if rand_device.type == "cpu" else draw.cpu().numpy()
             index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32)
         else:
-            index = self._trees.search(draw.to(self.device) * total)
-            weight = torch.pow(self._trees.mass(index) / m_min, -self._beta).to(self.dtype)
+            draw = draw if rand_device == self._trees.device else draw.to(self._trees.device)
+            index, mass = self._trees.search_with_mass(draw.mul_(total))
+            weight = torch.pow(mass / m_min, -self._beta).to(self.dtype)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
