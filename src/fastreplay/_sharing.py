@@ -113,6 +113,19 @@ class SharedBufferChecks:
             self._fr_seen = (int(getattr(writer, "_write_count", 0) or 0), 0)
         return out
 
+    @classmethod
+    def as_remote(cls, remote_config: dict[str, Any] | None = None) -> Any:
+        """The Ray actor class TorchRL's ``RayReplayBuffer`` builds this buffer from.
+
+        As TorchRL's ``as_remote``, except that ``remote(...)`` returns once the buffer is built
+        in the actor and raises its constructor's error there (see ``fastreplay._ray``), so
+        ``torchrl.data.RayReplayBuffer(replay_buffer_cls=...)`` and ``service_backend="ray"``
+        fail at construction, not at the first call.
+        """
+        from fastreplay._ray import checked_actor_class
+
+        return checked_actor_class(cls, remote_config)
+
     def _init(self) -> None:
         super()._init()  # type: ignore[misc]
         if getattr(self, "shared", False):
