@@ -25,6 +25,7 @@ This module imports Ray only when a buffer is built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import pickle
@@ -80,6 +81,7 @@ def _check_buffer_class(replay_buffer_cls: Any) -> None:
         )
 
 
+@functools.cache
 def _guarded(cls: type) -> type:
     """A subclass of ``cls`` whose ``__init__`` keeps its exception for :func:`_fr_init_error`."""
 
@@ -174,7 +176,7 @@ def checked_actor_class(cls: type, remote_config: dict[str, Any] | None = None) 
             ``as_remote`` takes them; ``None`` for TorchRL's defaults.
     """
     guarded = _guarded(cls)
-    as_remote = vars(_TorchRLReplayBuffer)["as_remote"].__func__  # TorchRL's, on the subclass
+    as_remote = _TorchRLReplayBuffer.as_remote.__func__  # TorchRL's, applied to the subclass
     return _CheckedActorClass(cls, as_remote(guarded, remote_config))
 
 

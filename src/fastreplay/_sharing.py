@@ -101,6 +101,7 @@ class SharedBufferChecks:
 
     _fr_writes: Any = None  # multiprocessing.Value("q"): writes through this class, all processes
     _fr_seen: tuple[int, int] = (0, 0)  # (write_count, writes) this process's sampler was told
+    _fr_gate: Any = None  # multiprocessing.Lock: samples go before writes not yet started
 
     def share(self, shared: bool = True) -> Any:
         """Share the buffer with other processes, as TorchRL does, after checking it can be."""
@@ -109,6 +110,7 @@ class SharedBufferChecks:
         out = super().share(shared)  # type: ignore[misc]
         if shared and self._fr_writes is None:
             self._fr_writes = multiprocessing.Value("q", 0)
+            self._fr_gate = multiprocessing.Lock()
             writer = getattr(self, "_writer", None)  # earlier writes were reported locally
             self._fr_seen = (int(getattr(writer, "_write_count", 0) or 0), 0)
         return out
@@ -168,10 +170,10 @@ class SharedBufferChecks:
             self._sampler.extend(part)
 
     @contextlib.contextmanager
-    def _fr_locked(self) -> Iterator[None]:
+    def _fr_locked(self, sampling: bool = False) -> Iterator[None]:
         """Hold the shared write lock, report remote writes, run the TorchRL body lock-free."""
         lock = self._write_lock
-        with self._replay_lock, lock:  # type: ignore[attr-defined]
+        with self._replay_lock, _turn(lock, self._fr_gate, sampling):  # type: ignore[attr-defined]
             if self._fr_tracks():
                 self._fr_catch_up()
             self._write_lock = contextlib.nullcontext()
@@ -211,7 +213,7 @@ class SharedBufferChecks:
         # to prioritise rows the storage does not count yet (and rightly refuse).
         if not (getattr(self, "shared", False) and getattr(self, "_initialized", False)):
             return super()._sample(batch_size)  # type: ignore[misc]
-        with self._fr_locked():
+        with self._fr_locked(sampling=True):
             return super()._sample(batch_size)  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -220,12 +222,40 @@ class SharedBufferChecks:
         if writes is not None and get_spawning_popen() is None:
             # Not a process start: a copy (checkpoint, Ray) owns its own count.
             state["_fr_writes"] = int(writes.value)
+            state["_fr_gate"] = True  # and its own gate
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state.get("_fr_writes"), int):
             state["_fr_writes"] = multiprocessing.Value("q", state["_fr_writes"])
+        if state.get("_fr_gate") is True:
+            state["_fr_gate"] = multiprocessing.Lock()
         super().__setstate__(state)  # type: ignore[misc]
 
 
 _ROUND_ROBIN = (RoundRobinWriter, TensorDictRoundRobinWriter)
+
+
+@contextlib.contextmanager
+def _turn(lock: Any, gate: Any, sampling: bool) -> Iterator[None]:
+    """Hold ``lock``; a sample (``sampling``) goes before the writes that have not started.
+
+    A sample holds ``gate`` while it waits for ``lock``, and a write passes ``gate`` before it
+    waits for ``lock``: a sample then waits for the write in progress, not for a stream of
+    writes from several processes that keep ``lock`` busy (the lock is not fair). Writes wait
+    for the sample in progress, as they do in TorchRL. ``O(1)``; ``gate=None``: ``lock`` only
+    (also when ``lock`` is the ``nullcontext`` of a section already holding it).
+    """
+    if gate is None or not hasattr(lock, "acquire"):
+        with lock:
+            yield
+        return
+    with gate:
+        if sampling:
+            lock.acquire()
+    if not sampling:
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
