@@ -87,7 +87,8 @@ class SharedBufferChecks:
       ``__init__`` calls ``share()`` before they do) and on every later ``share()``; a failing
       ``share()`` leaves ``shared`` unchanged.
     * ``sample`` holds the shared write lock throughout (TorchRL's ``sync=False`` catch-up
-      reads ``write_count`` before taking it).
+      reads ``write_count`` before taking it), and goes before the writes that have not
+      started when it waits for the lock (:func:`_turn`).
     * Writes made by other processes are reported to this process's sampler (``extend`` with
       the rows written, one call per write) at the start of every locked section of this
       process, under the shared write lock. A sampler that keeps an index from reported writes
