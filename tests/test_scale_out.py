@@ -397,3 +397,82 @@ def test_pickled_copy_owns_its_write_count() -> None:
     copy.extend(episode(0, 1))
     assert (copy._fr_writes.value, rb._fr_writes.value) == (2, 1)
     assert_valid(copy.sample(), NUM_SLICES)
+
+
+def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
+    """The shared gate: a write that arrives while a sample waits for the lock waits behind it.
+
+    The locks record who starts waiting for them: while a write is in progress and a sample
+    waits (holding the gate), new writes wait at the gate and never reach the lock before the
+    sample has it, so the sample waits for one write, not for a stream of them.
+    """
+    import threading
+
+    from fastreplay._sharing import _turn
+
+    events: list[tuple[str, str]] = []
+
+    class Spy:
+        def __init__(self, name: str) -> None:
+            self.name, self.inner = name, threading.Lock()
+
+        def acquire(self) -> None:
+            events.append((threading.current_thread().name, self.name))
+            self.inner.acquire()
+
+        def release(self) -> None:
+            self.inner.release()
+
+        def __enter__(self) -> None:
+            self.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.release()
+
+    lock, gate, order = Spy("lock"), Spy("gate"), []
+
+    def section(sampling: bool) -> None:
+        with _turn(lock, gate, sampling):
+            order.append(threading.current_thread().name)
+
+    lock.inner.acquire()  # a write in progress
+    sample = threading.Thread(target=section, args=(True,), name="sample", daemon=True)
+    writes = [
+        threading.Thread(target=section, args=(False,), name=f"w{i}", daemon=True) for i in range(3)
+    ]
+    try:
+        sample.start()
+        while ("sample", "lock") not in events:  # the sample holds the gate, waits for the lock
+            assert sample.is_alive()
+        for thread in writes:
+            thread.start()
+        while sum(who.startswith("w") for who, _ in events) < 3:  # every write is waiting
+            assert any(thread.is_alive() for thread in writes)
+        assert {what for who, what in events if who.startswith("w")} == {"gate"}
+    finally:
+        lock.inner.release()
+    for thread in [sample, *writes]:
+        thread.join(10)
+    assert order[0] == "sample" and sorted(order[1:]) == ["w0", "w1", "w2"]
+    assert not lock.inner.locked() and not gate.inner.locked()
+
+
+def test_shared_buffer_gate_is_copied_apart() -> None:
+    """A shared buffer has a gate; a pickled (unshared) copy gets its own, and both work."""
+    import pickle
+
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY),
+        sampler=fastreplay.SliceSampler(num_slices=NUM_SLICES, traj_key="traj"),
+        batch_size=BATCH,
+    )
+    rb.extend(episode(0, 0))  # initialized in this process: shareable, and picklable
+    rb.share()
+    assert rb._fr_gate is not None
+    rb.extend(episode(0, 2))
+    rb.share(False)
+    copy = pickle.loads(pickle.dumps(rb))
+    assert copy._fr_gate is not None and copy._fr_gate is not rb._fr_gate
+    copy.share(True)
+    copy.extend(episode(0, 1))
+    assert_valid(copy.sample(), NUM_SLICES)

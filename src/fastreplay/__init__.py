@@ -9,6 +9,7 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
+from fastreplay._ray import RayReplayBuffer
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 from fastreplay.ppo import chunked_log_prob
 from fastreplay.samplers import (
@@ -29,4 +30,5 @@ __all__ = [
     "chunked_log_prob",
     "PrioritizedSliceSampler",
     "SliceSamplerWithoutReplacement",
+    "RayReplayBuffer",
 ]

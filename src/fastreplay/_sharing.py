@@ -87,7 +87,8 @@ class SharedBufferChecks:
       ``__init__`` calls ``share()`` before they do) and on every later ``share()``; a failing
       ``share()`` leaves ``shared`` unchanged.
     * ``sample`` holds the shared write lock throughout (TorchRL's ``sync=False`` catch-up
-      reads ``write_count`` before taking it).
+      reads ``write_count`` before taking it), and goes before the writes that have not
+      started when it waits for the lock (:func:`_turn`).
     * Writes made by other processes are reported to this process's sampler (``extend`` with
       the rows written, one call per write) at the start of every locked section of this
       process, under the shared write lock. A sampler that keeps an index from reported writes
@@ -101,6 +102,7 @@ class SharedBufferChecks:
 
     _fr_writes: Any = None  # multiprocessing.Value("q"): writes through this class, all processes
     _fr_seen: tuple[int, int] = (0, 0)  # (write_count, writes) this process's sampler was told
+    _fr_gate: Any = None  # multiprocessing.Lock: samples go before writes not yet started
 
     def share(self, shared: bool = True) -> Any:
         """Share the buffer with other processes, as TorchRL does, after checking it can be."""
@@ -109,9 +111,23 @@ class SharedBufferChecks:
         out = super().share(shared)  # type: ignore[misc]
         if shared and self._fr_writes is None:
             self._fr_writes = multiprocessing.Value("q", 0)
+            self._fr_gate = multiprocessing.Lock()
             writer = getattr(self, "_writer", None)  # earlier writes were reported locally
             self._fr_seen = (int(getattr(writer, "_write_count", 0) or 0), 0)
         return out
+
+    @classmethod
+    def as_remote(cls, remote_config: dict[str, Any] | None = None) -> Any:
+        """The Ray actor class TorchRL's ``RayReplayBuffer`` builds this buffer from.
+
+        As TorchRL's ``as_remote``, except that ``remote(...)`` returns once the buffer is built
+        in the actor and raises its constructor's error there (see ``fastreplay._ray``), so
+        ``torchrl.data.RayReplayBuffer(replay_buffer_cls=...)`` and ``service_backend="ray"``
+        fail at construction, not at the first call.
+        """
+        from fastreplay._ray import checked_actor_class
+
+        return checked_actor_class(cls, remote_config)
 
     def _init(self) -> None:
         super()._init()  # type: ignore[misc]
@@ -155,10 +171,10 @@ class SharedBufferChecks:
             self._sampler.extend(part)
 
     @contextlib.contextmanager
-    def _fr_locked(self) -> Iterator[None]:
+    def _fr_locked(self, sampling: bool = False) -> Iterator[None]:
         """Hold the shared write lock, report remote writes, run the TorchRL body lock-free."""
         lock = self._write_lock
-        with self._replay_lock, lock:  # type: ignore[attr-defined]
+        with self._replay_lock, _turn(lock, self._fr_gate, sampling):  # type: ignore[attr-defined]
             if self._fr_tracks():
                 self._fr_catch_up()
             self._write_lock = contextlib.nullcontext()
@@ -198,7 +214,7 @@ class SharedBufferChecks:
         # to prioritise rows the storage does not count yet (and rightly refuse).
         if not (getattr(self, "shared", False) and getattr(self, "_initialized", False)):
             return super()._sample(batch_size)  # type: ignore[misc]
-        with self._fr_locked():
+        with self._fr_locked(sampling=True):
             return super()._sample(batch_size)  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -207,12 +223,40 @@ class SharedBufferChecks:
         if writes is not None and get_spawning_popen() is None:
             # Not a process start: a copy (checkpoint, Ray) owns its own count.
             state["_fr_writes"] = int(writes.value)
+            state["_fr_gate"] = True  # and its own gate
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state.get("_fr_writes"), int):
             state["_fr_writes"] = multiprocessing.Value("q", state["_fr_writes"])
+        if state.get("_fr_gate") is True:
+            state["_fr_gate"] = multiprocessing.Lock()
         super().__setstate__(state)  # type: ignore[misc]
 
 
 _ROUND_ROBIN = (RoundRobinWriter, TensorDictRoundRobinWriter)
+
+
+@contextlib.contextmanager
+def _turn(lock: Any, gate: Any, sampling: bool) -> Iterator[None]:
+    """Hold ``lock``; a sample (``sampling``) goes before the writes that have not started.
+
+    A sample holds ``gate`` while it waits for ``lock``, and a write passes ``gate`` before it
+    waits for ``lock``: a sample then waits for the write in progress, not for a stream of
+    writes from several processes that keep ``lock`` busy (the lock is not fair). Writes wait
+    for the sample in progress, as they do in TorchRL. ``O(1)``; ``gate=None``: ``lock`` only
+    (also when ``lock`` is the ``nullcontext`` of a section already holding it).
+    """
+    if gate is None or not hasattr(lock, "acquire"):
+        with lock:
+            yield
+        return
+    with gate:
+        if sampling:
+            lock.acquire()
+    if not sampling:
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
