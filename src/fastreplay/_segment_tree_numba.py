@@ -56,6 +56,10 @@ __all__ = ["NUMBA_AVAILABLE", "NumbaPriorityTrees"]
 NUMBA_AVAILABLE = numba is not None
 _INF = math.inf
 
+# Leaf writes prefetch the leaf this many writes ahead: enough to cover a memory access,
+# and a bulk write never evicts its prefetched lines before writing them.
+_AHEAD = 32
+
 # Status codes returned by the fused sampler kernels (the caller builds the error message).
 OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW, CHECK_MASS = 0, 1, 2, 3, 4
 
@@ -182,10 +186,10 @@ def _propagate(tree, offsets, sizes, b, index):  # pragma: no cover - compiled
 def _write(tree, offsets, sizes, b, index, rows):  # pragma: no cover - compiled
     """Set leaves ``index`` to the columns of ``rows`` (3, k) or (3, 1); last write wins."""
     one = rows.shape[1] == 1
-    for i in range(index.size):  # start loading every leaf's lines before the first write
-        for row in range(3):
-            _prefetch(tree[row], index[i])
     for i in range(index.size):
+        if i + _AHEAD < index.size:  # start loading the lines of a leaf written later
+            for row in range(3):
+                _prefetch(tree[row], index[i + _AHEAD])
         col = 0 if one else i
         for row in range(3):
             tree[row, index[i]] = rows[row, col]
@@ -288,11 +292,10 @@ def _check(index, raw, stored, eps, alpha, f32):  # pragma: no cover - compiled
 def _write_priorities(tree, offsets, sizes, b, index, raw, eps, alpha, f32):  # pragma: no cover
     """Write raw priorities (already checked) and their mass; ``-1`` slots are skipped."""
     one = raw.size == 1
-    for i in range(index.size):  # start loading every leaf's lines before the first write
-        if index[i] >= 0:
-            for row in range(3):
-                _prefetch(tree[row], index[i])
     for i in range(index.size):
+        if i + _AHEAD < index.size and index[i + _AHEAD] >= 0:  # a leaf written later
+            for row in range(3):
+                _prefetch(tree[row], index[i + _AHEAD])
         j = index[i]
         if j < 0:
             continue
