@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import pydoc
+from pathlib import Path
 
 import pytest
 import torchrl.data as trl
@@ -94,3 +96,29 @@ def test_constructor_signature_keeps_unresolved_variadics() -> None:
     )
     assert constructor_signature(Loose) != sig  # ``extra`` only where asked for
     assert Loose.__dict__["__signature__"].__get__(Loose(1), Loose) is None  # instances
+
+
+# The pure cores: plain classes and functions that TorchRL adapters wire in.
+_CORES = (
+    "_epoch_permutation.py",
+    "_numba_kernels.py",
+    "_pinning.py",
+    "_segment_tree.py",
+    "_segment_tree_numba.py",
+    "_trajectory_index.py",
+    "_tree_backends.py",
+)
+
+
+@pytest.mark.parametrize("name", _CORES)
+def test_pure_cores_import_no_torchrl_and_stay_small(name: str) -> None:
+    path = Path(fastreplay.__file__).parent / name
+    source = path.read_text()
+    modules = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+    assert not {m for m in modules if m.split(".")[0] == "torchrl"}, f"{name} imports TorchRL"
+    assert len(source.splitlines()) <= 400, f"{name} has {len(source.splitlines())} lines"

@@ -14,7 +14,8 @@ import torch
 
 import fastreplay._segment_tree_numba as numba_trees
 from conftest import requires_cuda
-from fastreplay._segment_tree import PriorityTrees, available_backends, make_trees
+from fastreplay._segment_tree import PriorityTrees
+from fastreplay._tree_backends import available_backends, make_trees
 
 requires_numba = pytest.mark.skipif(
     not numba_trees.NUMBA_AVAILABLE,

@@ -20,10 +20,11 @@ import torch
 from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import Storage
 
-from fastreplay._segment_tree import PriorityTrees, make_trees
+from fastreplay._segment_tree import PriorityTrees
 from fastreplay._segment_tree_numba import CHECK_MASS as _CHECK_MASS
 from fastreplay._segment_tree_numba import OK as _OK
 from fastreplay._signature import ConstructorSignature
+from fastreplay._tree_backends import make_trees
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 
 __all__ = [

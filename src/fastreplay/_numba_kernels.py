@@ -1,0 +1,306 @@
+"""The compiled loops behind :class:`fastreplay._segment_tree_numba.NumbaPriorityTrees`.
+
+Every function works on the ``(3, nodes)`` float64 tree array (rows: sum of the mass, min of
+the mass, negated min of the raw priorities; levels back to back, leaves first) and the
+``offsets``/``sizes`` of its levels. The functions are plain Python when numba is missing;
+they are then never called (only constructing the trees needs numba).
+
+``_prefetch`` hints the CPU to load a cache line without waiting for it: a search or update
+issues the loads of many independent nodes back to back, so their misses overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+try:  # optional dependency: ``pip install 'fastreplay[fast]'``
+    import numba
+except ImportError:  # pragma: no cover - depends on the environment
+    numba = None
+
+NUMBA_AVAILABLE = numba is not None
+_INF = math.inf
+
+# Leaf writes prefetch the leaf this many writes ahead: enough to cover a memory access,
+# and a bulk write never evicts its prefetched lines before writing them.
+_AHEAD = 32
+
+# Status codes returned by the fused sampler kernels (the caller builds the error message).
+OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW, CHECK_MASS = 0, 1, 2, 3, 4
+
+
+def _jit(fn: Any = None, **options: Any) -> Any:
+    if fn is None:
+        return lambda f: _jit(f, **options)
+    return numba.njit(cache=True, **options)(fn) if numba is not None else fn
+
+
+if numba is not None:
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _prefetch(typingctx, array, position):  # pragma: no cover - compiled
+        """Hint the CPU to load the cache line of ``array[position]`` (no fault, no result).
+
+        A search or update then issues the loads of many independent nodes back to back, so
+        their cache and TLB misses overlap instead of stalling one after the other.
+        """
+
+        def codegen(context, builder, signature, args):
+            array_type = signature.args[0]
+            data = context.make_array(array_type)(context, builder, args[0])
+            pointer = cgutils.get_item_pointer(
+                context, builder, array_type, data, [args[1]], wraparound=False
+            )
+            i32 = ir.IntType(32)
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]),
+                "llvm.prefetch." + pointer.type.intrinsic_name,
+            )
+            # read, keep in all cache levels, data cache
+            builder.call(function, [pointer, i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+
+        return types.void(array, position), codegen
+
+else:  # pragma: no cover - numba absent: the kernels below are never called
+
+    def _prefetch(array: Any, position: Any) -> None:
+        return None
+
+
+@_jit
+def _prefetch_node(row, start, b):  # pragma: no cover - compiled
+    """Prefetch the ``b`` children ``row[start : start + b]`` (one line when aligned)."""
+    for c in range(0, b, 8):
+        _prefetch(row, start + c)
+    _prefetch(row, start + b - 1)
+
+
+# ---------------------------------------------------------------------- kernels
+# Reassociation lets LLVM vectorize the sum and min over the children (no ``nnan``/``ninf``:
+# ``+inf`` is the min trees' neutral value). Every parent is computed by this one function,
+# so incremental updates and full rebuilds still give bit-identical nodes.
+@_jit(fastmath={"reassoc", "nsz"}, inline="always")
+def _recompute(tree, child_off, parent_off, b, node):  # pragma: no cover - compiled
+    base = child_off + node * b
+    s = 0.0
+    mn = _INF
+    ng = _INF
+    for c in range(b):
+        s += tree[0, base + c]
+        mn = min(mn, tree[1, base + c])
+        ng = min(ng, tree[2, base + c])
+    tree[0, parent_off + node] = s
+    tree[1, parent_off + node] = mn
+    tree[2, parent_off + node] = ng
+
+
+@_jit
+def _rebuild(tree, offsets, sizes, b):  # pragma: no cover - compiled
+    for level in range(1, offsets.size):
+        for node in range(sizes[level - 1] // b):
+            _recompute(tree, offsets[level - 1], offsets[level], b, node)
+
+
+@_jit
+def _propagate(tree, offsets, sizes, b, index):  # pragma: no cover - compiled
+    """Recompute every ancestor of the leaves ``index`` (negative entries skipped) once.
+
+    The parents are sorted once; the parents of a sorted list are sorted, so every level
+    dedupes in one linear pass and visits its nodes in memory order.
+    """
+    levels = offsets.size
+    if levels == 1:
+        return
+    k = index.size
+    if k >= sizes[1]:
+        _rebuild(tree, offsets, sizes, b)
+        return
+    nodes = np.sort(index)
+    count = 0
+    for i in range(k):
+        if nodes[i] >= 0:
+            p = nodes[i] // b
+            if count == 0 or nodes[count - 1] != p:
+                nodes[count] = p
+                count += 1
+    for level in range(1, levels):
+        # The children were just written (one aligned line per node); the nodes' own lines
+        # are the misses: start loading all of them before the first recompute.
+        for t in range(count):
+            for row in range(3):
+                _prefetch(tree[row], offsets[level] + nodes[t])
+        for t in range(count):
+            _recompute(tree, offsets[level - 1], offsets[level], b, nodes[t])
+        if level == levels - 1:
+            break
+        new_count = 0
+        for t in range(count):  # parents of distinct sorted nodes: sorted, dedupe in place
+            p = nodes[t] // b
+            if new_count == 0 or nodes[new_count - 1] != p:
+                nodes[new_count] = p
+                new_count += 1
+        count = new_count
+
+
+@_jit
+def _write(tree, offsets, sizes, b, index, rows):  # pragma: no cover - compiled
+    """Set leaves ``index`` to the columns of ``rows`` (3, k) or (3, 1); last write wins."""
+    one = rows.shape[1] == 1
+    for i in range(index.size):
+        if i + _AHEAD < index.size:  # start loading the lines of a leaf written later
+            for row in range(3):
+                _prefetch(tree[row], index[i + _AHEAD])
+        col = 0 if one else i
+        for row in range(3):
+            tree[row, index[i]] = rows[row, col]
+    _propagate(tree, offsets, sizes, b, index)
+
+
+_CLEARED = np.array([[0.0], [_INF], [_INF]])
+
+
+@_jit
+def _set_leaves(tree, offsets, sizes, b, mass, raw):  # pragma: no cover - compiled
+    for j in range(mass.size):
+        r = raw[j]
+        if r == -_INF:
+            tree[0, j] = 0.0
+            tree[1, j] = _INF
+        else:
+            tree[0, j] = mass[j]
+            tree[1, j] = mass[j]
+        tree[2, j] = -r
+    _rebuild(tree, offsets, sizes, b)
+
+
+@_jit
+def _descend(tree, offsets, b, prefix):  # pragma: no cover - compiled
+    """Leaf of each prefix; never steps past a node's last positive child (rounding guard).
+
+    Same arithmetic as the pure-torch search (a running sum over the children, the prefix
+    reduced by ``cumsum - child`` of the chosen child), so both give the same leaves.
+    """
+    n = prefix.size
+    node = np.zeros(n, np.int64)
+    rest = prefix.copy()
+    cums = np.empty(b)
+    for level in range(offsets.size - 2, -1, -1):  # all queries one level at a time
+        off = offsets[level]
+        for q in range(n):  # branch-free, so the memory loads of queries overlap
+            base = off + node[q] * b
+            p = rest[q]
+            cum = 0.0
+            count = 0
+            last = 0
+            for c in range(b):
+                m = tree[0, base + c]
+                cum += m
+                cums[c] = cum
+                count += cum <= p
+                last = c if m > 0 else last
+            choice = min(count, last)
+            rest[q] = p - (cums[choice] - tree[0, base + choice])
+            node[q] = node[q] * b + choice
+            if level > 0:  # its children are read one level later, after the other queries
+                _prefetch_node(tree[0], offsets[level - 1] + node[q] * b, b)
+    return node
+
+
+@_jit
+def _sample(tree, offsets, b, draw, total, m_min, neg_beta, f32):  # pragma: no cover
+    """Leaves for ``draw * total`` and their weights ``(mass / m_min) ** neg_beta``."""
+    index = _descend(tree, offsets, b, draw * total)
+    n = index.size
+    if f32:
+        weight32 = np.empty(n, np.float32)
+        for q in range(n):
+            weight32[q] = np.float32((tree[0, index[q]] / m_min) ** neg_beta)
+        return index, weight32.view(np.uint8)
+    weight64 = np.empty(n, np.float64)
+    for q in range(n):
+        weight64[q] = (tree[0, index[q]] / m_min) ** neg_beta
+    return index, weight64.view(np.uint8)
+
+
+@_jit
+def _check(index, raw, stored, eps, alpha, f32):  # pragma: no cover - compiled
+    """Validate a priority write in one pass: (status, max priority, holds a -1 marker)."""
+    one = raw.size == 1
+    p_max = -_INF
+    marker = False
+    for i in range(index.size):
+        j = index[i]
+        if j == -1:
+            marker = True
+            continue
+        if j < 0 or j >= stored:
+            return BAD_INDEX, p_max, marker
+        p = np.float64(raw[0] if one else raw[i])
+        if not (p >= 0.0 and p < _INF):
+            return BAD_PRIORITY, p_max, marker
+        p_max = max(p_max, p)
+    if p_max > -_INF:
+        m = (p_max + eps) ** alpha  # the mass is monotone in p: check the largest one
+        if f32:
+            m = np.float64(np.float32(m))
+        if not m < _INF:
+            return OVERFLOW, p_max, marker
+    return OK, p_max, marker
+
+
+@_jit
+def _write_priorities(tree, offsets, sizes, b, index, raw, eps, alpha, f32):  # pragma: no cover
+    """Write raw priorities (already checked) and their mass; ``-1`` slots are skipped."""
+    one = raw.size == 1
+    for i in range(index.size):
+        if i + _AHEAD < index.size and index[i + _AHEAD] >= 0:  # a leaf written later
+            for row in range(3):
+                _prefetch(tree[row], index[i + _AHEAD])
+        j = index[i]
+        if j < 0:
+            continue
+        p = np.float64(raw[0] if one else raw[i])
+        m = (p + eps) ** alpha
+        if f32:
+            m = np.float64(np.float32(m))
+        tree[0, j] = m
+        tree[1, j] = m
+        tree[2, j] = -p
+    _propagate(tree, offsets, sizes, b, index)
+
+
+@_jit
+def _check_and_write(
+    tree, offsets, sizes, b, index, raw, stored, eps, alpha, f32, bound
+):  # pragma: no cover - compiled
+    """:func:`_check`, then :func:`_write_priorities` if the largest mass is below ``bound``.
+
+    Returns ``(status, max priority)``; nothing is written unless the status is ``OK``.
+    ``CHECK_MASS``: the write is valid but its largest mass is not clearly below ``bound``,
+    so the caller decides (exactly) whether it fits before writing.
+    """
+    status, p_max, _ = _check(index, raw, stored, eps, alpha, f32)
+    if status != OK:
+        return status, p_max
+    if p_max > -_INF and not (p_max + eps) ** alpha < bound:
+        return CHECK_MASS, p_max
+    _write_priorities(tree, offsets, sizes, b, index, raw, eps, alpha, f32)
+    return OK, p_max
+
+
+@_jit
+def _holds_max(tree, index, root):  # pragma: no cover - compiled
+    """Whether a slot of ``index`` (negatives skipped) holds the live max raw priority."""
+    for i in range(index.size):
+        j = index[i]
+        if j >= 0 and tree[2, j] <= tree[2, root]:
+            return True
+    return False
