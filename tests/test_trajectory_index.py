@@ -94,3 +94,25 @@ def test_bad_first_row_is_rejected_and_index_unchanged() -> None:
     assert [a.tolist() for a in index.boundaries()] == before
     with pytest.raises(ValueError, match=r"mode must be 'done' or 'ids', got mode='x'"):
         TrajectoryIndex(7, 1, "x")
+
+
+@pytest.mark.parametrize("rows,columns", [(7, 1), (50, 1), (13, 3)])
+def test_locate_matches_a_scan_while_the_trajectory_ring_wraps(rows: int, columns: int) -> None:
+    rng = np.random.default_rng(rows)
+    index = TrajectoryIndex(rows, columns, "done")
+    first, wrapped = 0, False
+    for _ in range(60):
+        n = int(rng.integers(1, rows + 3))
+        index.write(first, rng.random((n, columns)) < 0.4)
+        first = (first + n) % rows
+        ring = index.cols[0].trajs
+        wrapped |= ring.head + ring.count > ring.data.shape[0]
+        start, _, length, column = index.boundaries()
+        expected = {}
+        for s, steps, c in zip(start.tolist(), length.tolist(), column.tolist(), strict=True):
+            for p in range(steps):
+                expected[((s + p) % rows, c)] = (s, steps)
+        keys = sorted(expected)
+        got = index.locate(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
+        assert list(zip(*(g.tolist() for g in got), strict=True)) == [expected[k] for k in keys]
+    assert wrapped  # the search over two pieces of the ring ran

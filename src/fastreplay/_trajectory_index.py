@@ -64,11 +64,15 @@ class _Ring:
 
 
 class _Column:
-    """Trajectories of one column: ring of ``(serial, start_row, length)`` in age order."""
+    """Trajectories of one column: ring of ``(serial, start_row, length, position)``.
+
+    In age order; ``position`` counts the rows ever written to the column, so it only grows.
+    """
 
     def __init__(self) -> None:
-        self.trajs = _Ring(3)
+        self.trajs = _Ring(4)
         self.next_serial = 0
+        self.written = 0  # position of the next row written
         self.closed = True  # done mode: whether the last written row ended its trajectory
         self.last_id = 0  # ids mode: trajectory id of the last written row
         # min_length -> ring of serials of *closed* trajectories (all but the newest) that
@@ -91,6 +95,7 @@ class _Column:
             starts[0] = True
         pos = np.flatnonzero(starts)
         head_rows = int(pos[0]) if pos.size else n
+        written, self.written = self.written, self.written + n
         if head_rows:  # rows continuing the newest trajectory
             self.trajs.data[self.trajs.slot(self.trajs.count - 1), 2] += head_rows
         if not pos.size:
@@ -98,7 +103,7 @@ class _Column:
         k = pos.size
         lengths = np.diff(np.append(pos, n))
         serials = self.next_serial + np.arange(k, dtype=np.int64)
-        new = np.stack([serials, (first_row + pos) % rows, lengths], 1)
+        new = np.stack([serials, (first_row + pos) % rows, lengths, written + pos], 1)
         # Trajectories closed by this write: the previous newest one, and all new but the last.
         closed = new[:-1]
         if self.trajs.count:
@@ -120,6 +125,7 @@ class _Column:
         slot = self.trajs.head
         self.trajs.data[slot, 1] = (self.trajs.data[slot, 1] + left) % rows
         self.trajs.data[slot, 2] -= left
+        self.trajs.data[slot, 3] += left
         first, head_len = self.first_serial(), int(self.trajs.data[slot, 2])
         for min_length, queue in self.eligible.items():
             front = queue.take(np.arange(min(queue.count, removed + 1)))[:, 0]
@@ -323,8 +329,9 @@ class TrajectoryIndex:
     def locate(self, rows: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Start row and length of the trajectory holding each stored ``(row, column)``.
 
-        A vectorized binary search over each column's trajectories in age order: cost
-        ``O(len(rows) * log(number of trajectories))``, independent of the number of rows.
+        A ``searchsorted`` of each row's write position among the trajectories' start
+        positions (sorted: they grow with age): cost ``O(len(rows) * log(number of
+        trajectories))`` in a few vectorized calls, independent of the number of rows.
         Every ``(row, column)`` must hold data.
 
         Example:
@@ -340,16 +347,17 @@ class TrajectoryIndex:
         for c in np.unique(columns).tolist() if self.columns > 1 else [0]:
             mask = columns == c
             trajs = self.cols[c].trajs
-            oldest = int(trajs.data[trajs.head, 1])
-            offset = (rows[mask] - oldest) % self.rows
-            # Start offsets grow with age: find the last trajectory starting at or before.
-            lo = np.zeros(offset.shape, dtype=np.int64)
-            hi = np.full(offset.shape, trajs.count - 1, dtype=np.int64)
-            for _ in range(int(trajs.count).bit_length()):
-                mid = (lo + hi + 1) >> 1
-                ahead = (trajs.take(mid)[:, 1] - oldest) % self.rows > offset
-                lo = np.where(ahead, lo, mid)
-                hi = np.where(ahead, mid - 1, hi)
-            records = trajs.take(lo)
+            oldest_row, oldest = trajs.data[trajs.head, 1], trajs.data[trajs.head, 3]
+            position = oldest + (rows[mask] - oldest_row) % self.rows
+            # The ring holds the start positions in age order in at most two sorted pieces;
+            # find the last trajectory starting at or before each position.
+            cap, head = trajs.data.shape[0], trajs.head
+            first = trajs.data[head : min(head + trajs.count, cap), 3]
+            second = trajs.data[: max(head + trajs.count - cap, 0), 3]
+            found = np.searchsorted(first, position, side="right") - 1
+            if second.size:
+                later = position >= second[0]
+                found[later] = first.size - 1 + np.searchsorted(second, position[later], "right")
+            records = trajs.take(found)
             start[mask], length[mask] = records[:, 1], records[:, 2]
         return start, length
