@@ -105,7 +105,7 @@ def test_locate_matches_a_scan_while_the_trajectory_ring_wraps(rows: int, column
         n = int(rng.integers(1, rows + 3))
         index.write(first, rng.random((n, columns)) < 0.4)
         first = (first + n) % rows
-        ring = index.cols[0].trajs
+        ring = index.cols[0].positions
         wrapped |= ring.head + ring.count > ring.data.shape[0]
         start, _, length, column = index.boundaries()
         expected = {}

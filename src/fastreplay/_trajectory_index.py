@@ -64,13 +64,15 @@ class _Ring:
 
 
 class _Column:
-    """Trajectories of one column: ring of ``(serial, start_row, length, position)``.
+    """Trajectories of one column: ring of ``(serial, start_row, length)`` in age order.
 
-    In age order; ``position`` counts the rows ever written to the column, so it only grows.
+    Beside it, a ring of each trajectory's start *position* (rows ever written to the column
+    before it, so positions only grow): one contiguous column for ``searchsorted``.
     """
 
     def __init__(self) -> None:
-        self.trajs = _Ring(4)
+        self.trajs = _Ring(3)
+        self.positions = _Ring(1)
         self.next_serial = 0
         self.written = 0  # position of the next row written
         self.closed = True  # done mode: whether the last written row ended its trajectory
@@ -103,12 +105,13 @@ class _Column:
         k = pos.size
         lengths = np.diff(np.append(pos, n))
         serials = self.next_serial + np.arange(k, dtype=np.int64)
-        new = np.stack([serials, (first_row + pos) % rows, lengths, written + pos], 1)
+        new = np.stack([serials, (first_row + pos) % rows, lengths], 1)
         # Trajectories closed by this write: the previous newest one, and all new but the last.
         closed = new[:-1]
         if self.trajs.count:
             closed = np.concatenate([self.last()[None], closed])
         self.trajs.push(new)
+        self.positions.push((written + pos)[:, None])
         self.next_serial += k
         for min_length, queue in self.eligible.items():
             queue.push(closed[closed[:, 2] >= min_length, :1])
@@ -121,11 +124,12 @@ class _Column:
         cum = np.cumsum(self.trajs.take(np.arange(k))[:, 2])
         removed = int(np.searchsorted(cum, overflow, side="right"))
         self.trajs.pop(removed)
+        self.positions.pop(removed)
         left = overflow - (int(cum[removed - 1]) if removed else 0)
         slot = self.trajs.head
         self.trajs.data[slot, 1] = (self.trajs.data[slot, 1] + left) % rows
         self.trajs.data[slot, 2] -= left
-        self.trajs.data[slot, 3] += left
+        self.positions.data[self.positions.head, 0] += left
         first, head_len = self.first_serial(), int(self.trajs.data[slot, 2])
         for min_length, queue in self.eligible.items():
             front = queue.take(np.arange(min(queue.count, removed + 1)))[:, 0]
@@ -346,14 +350,14 @@ class TrajectoryIndex:
         length = np.empty(rows.shape, dtype=np.int64)
         for c in np.unique(columns).tolist() if self.columns > 1 else [0]:
             mask = columns == c
-            trajs = self.cols[c].trajs
-            oldest_row, oldest = trajs.data[trajs.head, 1], trajs.data[trajs.head, 3]
+            trajs, ring = self.cols[c].trajs, self.cols[c].positions
+            oldest_row, oldest = trajs.data[trajs.head, 1], ring.data[ring.head, 0]
             position = oldest + (rows[mask] - oldest_row) % self.rows
             # The ring holds the start positions in age order in at most two sorted pieces;
             # find the last trajectory starting at or before each position.
-            cap, head = trajs.data.shape[0], trajs.head
-            first = trajs.data[head : min(head + trajs.count, cap), 3]
-            second = trajs.data[: max(head + trajs.count - cap, 0), 3]
+            cap, head = ring.data.shape[0], ring.head
+            first = ring.data[head : min(head + ring.count, cap), 0]
+            second = ring.data[: max(head + ring.count - cap, 0), 0]
             found = np.searchsorted(first, position, side="right") - 1
             if second.size:
                 later = position >= second[0]
