@@ -11,7 +11,6 @@ import math
 import pickle
 import threading
 
-import numpy as np
 import pytest
 import torch
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
@@ -22,7 +21,6 @@ from conformance.test_slice_samplers import chi2_pvalue, slice_starts, valid_sta
 from conftest import requires_cuda, requires_torchrl_ext
 from fastreplay import PrioritizedSliceSampler
 from fastreplay._segment_tree import PriorityTrees
-from fastreplay._trajectory_index import TrajectoryIndex
 from fastreplay.samplers.prioritized_slice import _slice_steps
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
 
@@ -332,34 +330,6 @@ def test_concurrent_update_priority_is_never_undone() -> None:
         thread.join()
     assert not errors
     assert (sampler._trees.raw()[:200] == 40.0).all()
-
-
-@pytest.mark.parametrize("rows,columns,mode", [(7, 1, "done"), (50, 1, "ids"), (13, 3, "done")])
-def test_trajectory_index_locate_matches_its_boundaries(rows, columns, mode) -> None:
-    gen = torch.Generator().manual_seed(rows)
-    index = TrajectoryIndex(rows, columns, mode)
-    first, last_id = 0, torch.zeros(columns, dtype=torch.long)
-    for n in (3, rows - 1, 2 * rows + 1, 5, rows):  # partial, wrapping, longer than rows
-        if mode == "done":
-            signal = torch.rand(n, columns, generator=gen) < 0.25
-        else:
-            signal = last_id + torch.cumsum(torch.rand(n, columns, generator=gen) < 0.25, 0)
-            last_id = signal[-1]
-        index.write(first, signal.numpy())
-        first = (first + n) % rows
-        start, _, length, column = index.boundaries()
-        expected = {}
-        for s, n_steps, c in zip(start.tolist(), length.tolist(), column.tolist(), strict=True):
-            for p in range(n_steps):
-                expected[((s + p) % rows, c)] = (s, n_steps)
-        keys = sorted(expected)
-        r = np.array([k[0] for k in keys])
-        c = np.array([k[1] for k in keys])
-        got_start, got_length = index.locate(r, c)
-        assert list(zip(got_start.tolist(), got_length.tolist(), strict=True)) == [
-            expected[k] for k in keys
-        ]
-        assert len(keys) == index.size * columns
 
 
 @pytest.mark.parametrize("ndim", [1, 2])

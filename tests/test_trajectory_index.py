@@ -96,8 +96,39 @@ def test_bad_first_row_is_rejected_and_index_unchanged() -> None:
         TrajectoryIndex(7, 1, "x")
 
 
+def _assert_locate_matches_boundaries(index: TrajectoryIndex, rows: int, columns: int) -> None:
+    """``locate`` of every stored (row, column) against the trajectories ``boundaries`` lists."""
+    start, _, length, column = index.boundaries()
+    expected = {}
+    for s, steps, c in zip(start.tolist(), length.tolist(), column.tolist(), strict=True):
+        for p in range(steps):
+            expected[((s + p) % rows, c)] = (s, steps)
+    keys = sorted(expected)
+    assert len(keys) == index.size * columns
+    got = index.locate(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
+    assert list(zip(*(g.tolist() for g in got), strict=True)) == [expected[k] for k in keys]
+
+
+@pytest.mark.parametrize("rows,columns,mode", [(7, 1, "done"), (50, 1, "ids"), (13, 3, "done")])
+def test_locate_matches_the_boundaries(rows: int, columns: int, mode: str) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    index = TrajectoryIndex(rows, columns, mode)
+    first, last_id = 0, torch.zeros(columns, dtype=torch.long)
+    for n in (3, rows - 1, 2 * rows + 1, 5, rows):  # partial, wrapping, longer than rows
+        if mode == "done":
+            signal = torch.rand(n, columns, generator=gen) < 0.25
+        else:
+            signal = last_id + torch.cumsum(torch.rand(n, columns, generator=gen) < 0.25, 0)
+            last_id = signal[-1]
+        index.write(first, signal.numpy())
+        first = (first + n) % rows
+        _assert_locate_matches_boundaries(index, rows, columns)
+
+
 @pytest.mark.parametrize("rows,columns", [(7, 1), (50, 1), (13, 3)])
-def test_locate_matches_a_scan_while_the_trajectory_ring_wraps(rows: int, columns: int) -> None:
+def test_locate_matches_the_boundaries_while_the_trajectory_ring_wraps(
+    rows: int, columns: int
+) -> None:
     rng = np.random.default_rng(rows)
     index = TrajectoryIndex(rows, columns, "done")
     first, wrapped = 0, False
@@ -107,12 +138,5 @@ def test_locate_matches_a_scan_while_the_trajectory_ring_wraps(rows: int, column
         first = (first + n) % rows
         ring = index.cols[0].positions
         wrapped |= ring.head + ring.count > ring.data.shape[0]
-        start, _, length, column = index.boundaries()
-        expected = {}
-        for s, steps, c in zip(start.tolist(), length.tolist(), column.tolist(), strict=True):
-            for p in range(steps):
-                expected[((s + p) % rows, c)] = (s, steps)
-        keys = sorted(expected)
-        got = index.locate(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
-        assert list(zip(*(g.tolist() for g in got), strict=True)) == [expected[k] for k in keys]
+        _assert_locate_matches_boundaries(index, rows, columns)
     assert wrapped  # the search over two pieces of the ring ran
