@@ -34,3 +34,22 @@ requires_cuda = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def record_storage_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the number of rows each slice sampler reads from its storage.
+
+    Patches ``fastreplay.SliceSampler._fr_read`` (which the other slice samplers use too) to
+    append the row count of every read to the returned list.
+    """
+    from fastreplay.samplers.slice import SliceSampler
+
+    reads: list[int] = []
+    original = SliceSampler._fr_read
+
+    def recording(leaves: object, first: int, n: int, *rest: object) -> object:
+        reads.append(n)
+        return original(leaves, first, n, *rest)
+
+    monkeypatch.setattr(SliceSampler, "_fr_read", staticmethod(recording))
+    return reads

@@ -18,11 +18,11 @@ from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampl
 
 from conformance.conftest import DONE, assert_slices_valid, episodes
 from conformance.test_slice_samplers import chi2_pvalue, slice_starts, valid_starts
-from conftest import requires_cuda, requires_torchrl_ext
+from conftest import record_storage_reads, requires_cuda, requires_torchrl_ext
 from fastreplay import PrioritizedSliceSampler
 from fastreplay._segment_tree import PriorityTrees
 from fastreplay.samplers.prioritized_slice import _slice_steps
-from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
+from fastreplay.samplers.slice import SliceSamplerError
 
 PSS = PrioritizedSliceSampler
 ALPHA, BETA = 0.7, 0.5
@@ -187,15 +187,7 @@ def test_online_writes_read_only_the_new_rows(monkeypatch) -> None:
     rb, sampler, storage = _buffer(101, slice_len=3, end_key=DONE)
     rb.extend(episodes(60, 10))
     sampler.sample(storage, 9)
-    read = []
-    original = SliceSampler._fr_read
-    monkeypatch.setattr(
-        SliceSampler,
-        "_fr_read",
-        staticmethod(
-            lambda leaves, first, n, *rest: read.append(n) or original(leaves, first, n, *rest)
-        ),
-    )
+    read = record_storage_reads(monkeypatch)
     for n, first in ((7, 100), (30, 200), (150, 300)):  # the last one wraps around
         rb.extend(episodes(n, 10, first_id=first))
         index, _ = sampler.sample(storage, 9)

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
-from conftest import requires_cuda
+from conftest import record_storage_reads, requires_cuda
 from fastreplay import SliceSampler
 
 DONE = ("next", "done")
@@ -179,9 +179,7 @@ def test_online_updates_read_only_the_new_rows(monkeypatch) -> None:
     rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=8)
     rb.extend(episodes.batch(900))
     fast.sample(storage, 8)
-    read = []
-    original = fast._fr_read
-    monkeypatch.setattr(fast, "_fr_read", lambda *a: read.append(a[2]) or original(*a))
+    read = record_storage_reads(monkeypatch)
     monkeypatch.setattr(fast, "_fr_rebuild", lambda *a: pytest.fail("unexpected rebuild"))
     for n in (7, 150, 1):
         rb.extend(episodes.batch(n))

@@ -15,7 +15,8 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
 
 from conformance.conftest import episodes
-from fastreplay import SliceSampler, SliceSamplerWithoutReplacement
+from conftest import record_storage_reads
+from fastreplay import SliceSamplerWithoutReplacement
 from fastreplay._epoch_permutation import EpochPermutation
 from fastreplay._trajectory_index import TrajectoryIndex
 from fastreplay.samplers.slice import SliceSamplerError
@@ -107,15 +108,7 @@ def test_online_writes_read_only_the_new_rows(monkeypatch) -> None:
     episodes = Episodes(None, 5, p_end=0.05)
     rb.extend(episodes.batch(60))
     fast.sample(storage, 8)
-    read = []
-    original = SliceSampler._fr_read
-    monkeypatch.setattr(
-        SliceSampler,
-        "_fr_read",
-        staticmethod(
-            lambda leaves, first, n, *rest: read.append(n) or original(leaves, first, n, *rest)
-        ),
-    )
+    read = record_storage_reads(monkeypatch)
     for n in (7, 30, 120):  # the last one wraps around the whole storage
         rb.extend(episodes.batch(n))
         fast.sample(storage, 8)
