@@ -124,16 +124,21 @@ def test_prefetching_buffer(impl: Impl) -> None:
         assert_slices_valid(rb.sample()["obs"], 4)
 
 
-@pytest.mark.parametrize("how", ["state_dict", "dumps"])
-def test_checkpoint_round_trip(impl: Impl, how: str, tmp_path) -> None:
-    rb = _buffer(impl, trl.LazyTensorStorage(31), num_slices=2, end_key=DONE)
-    rb.extend(episodes(45, [7, 4]))  # the newest step ends an episode: no cursor question
-    fresh = _buffer(impl, trl.LazyTensorStorage(31), num_slices=2, end_key=DONE)
+def _restore(rb: Any, fresh: Any, how: str, tmp_path: Any) -> None:
+    """Load ``rb``'s checkpoint into ``fresh``, through ``state_dict`` or ``dumps``/``loads``."""
     if how == "state_dict":
         fresh.load_state_dict(rb.state_dict())
     else:
         rb.dumps(tmp_path)
         fresh.loads(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "dumps"])
+def test_checkpoint_round_trip(impl: Impl, how: str, tmp_path) -> None:
+    rb = _buffer(impl, trl.LazyTensorStorage(31), num_slices=2, end_key=DONE)
+    rb.extend(episodes(45, [7, 4]))  # the newest step ends an episode: no cursor question
+    fresh = _buffer(impl, trl.LazyTensorStorage(31), num_slices=2, end_key=DONE)
+    _restore(rb, fresh, how, tmp_path)
     expected = rb.sampler._get_stop_and_length(rb.storage)
     got = fresh.sampler._get_stop_and_length(fresh.storage)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
@@ -157,11 +162,7 @@ def test_checkpoint_into_fresh_buffer_cursor_boundary(impl: Impl, how: str, tmp_
     rb.extend(td)
     expected = trl.SliceSampler(num_slices=2, end_key=DONE)._get_stop_and_length(rb.storage)
     fresh = buffer()
-    if how == "state_dict":
-        fresh.load_state_dict(rb.state_dict())
-    else:
-        rb.dumps(tmp_path)
-        fresh.loads(tmp_path)
+    _restore(rb, fresh, how, tmp_path)
     got = fresh.sampler._get_stop_and_length(fresh.storage)
     same = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert same is not impl.is_torchrl
