@@ -33,14 +33,17 @@ from benchmarks.harness import (
     positive_int,
     progress,
 )
-from benchmarks.scenarios.prioritized_slice import _done, interleaved_medians, run_sizes
+from benchmarks.scenarios.prioritized_slice import (
+    _CHUNK,
+    _DONE,
+    _done,
+    interleaved_medians,
+    run_sizes,
+)
 from fastreplay import SliceSamplerWithoutReplacement
 
 NAME = "slice_without_replacement"
 DESCRIPTION = "SliceSamplerWithoutReplacement: online step (extend 1000 + sample) and static"
-
-_CHUNK = 1 << 22
-_DONE = ("next", "done")
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
