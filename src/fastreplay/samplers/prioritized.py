@@ -366,10 +366,14 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         value = min(live, self._upper_priority)
         return torch.tensor(value, dtype=self.dtype, device=self.device)
 
+    def _mass_limit(self) -> float:
+        """Masses must stay below this (see :meth:`_check_mass`)."""
+        f32 = self.dtype == torch.float32
+        return _FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots
+
     def _mass_bound(self) -> float:
         """A mass below this fits for sure (see :meth:`_check_mass`, which decides the rest)."""
-        f32 = self.dtype == torch.float32
-        return (_FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots) * (1 - 1e-12)
+        return self._mass_limit() * (1 - 1e-12)
 
     def _check_mass(self, p_max: float, *, alpha: float | None = None, what: str) -> None:
         """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1).
@@ -380,8 +384,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if p_max == -math.inf:  # nothing stored, or a write of only -1 markers: no mass
             return
         alpha = self._alpha if alpha is None else alpha
-        f32 = self.dtype == torch.float32
-        limit = _FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots
+        limit = self._mass_limit()
         try:
             mass = (p_max + self._eps) ** alpha
         except OverflowError:
