@@ -52,13 +52,12 @@ class _SignalRows:
     instead of ``O(batch x stored keys)``.
     """
 
-    def __init__(self, storage: Any) -> None:
+    def __init__(self, storage: Any, index: Any = None) -> None:
         self.storage = storage
+        self.index = index
 
     def __getitem__(self, index: Any) -> _SignalRows:
-        rows = _SignalRows(self.storage)
-        rows.index = index
-        return rows
+        return _SignalRows(self.storage, index)
 
     def get(self, key: NestedKey, default: Any = None) -> Any:
         storage = self.storage
