@@ -348,10 +348,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             ranks = self._fr_list[:num_slices].cpu().numpy()
             self._fr_list = self._fr_list[num_slices:]
             left = self._fr_list.numel()
-        if self.drop_last:
-            self._remaining_batches = left // num_slices
-        else:
-            self._remaining_batches = -(left // -num_slices)
+        self._fr_count_batches(left, num_slices)
         self.ran_out = left == 0 or (self.drop_last and left < num_slices)
         if self.ran_out:
             self._fr_new_epoch(storage, n_all, num_slices)
@@ -364,10 +361,14 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             return
         self._fr_perm.reset(n_all)  # O(1) amortised
         self._fr_list, self._fr_lazy = None, True
+        self._fr_count_batches(n_all, num_slices)
+
+    def _fr_count_batches(self, left: int, num_slices: int) -> None:
+        """Set TorchRL's ``_remaining_batches`` for ``left`` trajectories left in the epoch."""
         if self.drop_last:
-            self._remaining_batches = n_all // num_slices
+            self._remaining_batches = left // num_slices
         else:
-            self._remaining_batches = -(n_all // -num_slices)
+            self._remaining_batches = -(left // -num_slices)
 
 
 def _take(leaf: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
