@@ -12,7 +12,7 @@ from typing import Any
 import ray
 import torch
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, RayReplayBuffer
+from torchrl.data import LazyTensorStorage
 
 import fastreplay
 
@@ -46,7 +46,7 @@ def main(num_actors: int = 2, episodes: int = 20, steps: int = 20) -> dict[str, 
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False)
-    rb = RayReplayBuffer(
+    rb = fastreplay.RayReplayBuffer(  # raises here if the actor cannot build the buffer
         replay_buffer_cls=fastreplay.TensorDictPrioritizedReplayBuffer,
         alpha=0.7,
         beta=0.5,
@@ -55,7 +55,6 @@ def main(num_actors: int = 2, episodes: int = 20, steps: int = 20) -> dict[str, 
         remote_config={"num_cpus": 0},
     )
     try:
-        rb.write_count  # noqa: B018 - surfaces a rejected constructor argument now
         actors = [Actor.remote(rb.client(), i) for i in range(num_actors)]
         written = sum(ray.get([a.run.remote(episodes) for a in actors]))
         for _ in range(steps):  # the learner: sample, TD errors, priorities back to the actor
