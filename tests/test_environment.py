@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,3 +54,29 @@ def test_ruff_format_clean() -> None:
         [*_ruff(), "format", "--check", "."], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_package_metadata_uses_the_spdx_license_form() -> None:
+    """``project.license`` as a table and license classifiers are deprecated by setuptools."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["license"] == "MIT"
+    assert project["project"]["license-files"] == ["LICENSE"]
+    assert not [c for c in project["project"]["classifiers"] if c.startswith("License ::")]
+    requires = project["build-system"]["requires"]
+    assert "setuptools>=77" in requires, requires  # the first setuptools reading SPDX licenses
+
+
+def test_install_hints_name_commands_that_work() -> None:
+    """fastreplay is not on a package index: a hint must name what pip can install."""
+    hint = re.compile(r"pip install '?fastreplay\[")
+    offenders = [
+        f"{p.relative_to(REPO)}:{n}"
+        for root in ("src", "benchmarks", "docs", "tests")
+        for p in sorted((REPO / root).rglob("*"))
+        if p.suffix in {".py", ".md"}
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if hint.search(line)
+    ]
+    assert not offenders, offenders

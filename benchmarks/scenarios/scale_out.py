@@ -237,7 +237,7 @@ def _run_ray(kind: str, args: argparse.Namespace) -> list[Result]:
     try:
         import ray
     except ImportError:
-        print("  --scale-ray: Ray is not installed (pip install 'fastreplay[ray]'): skipped")
+        print("  --scale-ray: Ray is not installed (pip install ray): skipped")
         return []
     from torchrl.data import RayReplayBuffer
 

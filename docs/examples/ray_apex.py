@@ -1,6 +1,6 @@
 """Ape-X with Ray: writer actors extend a fastreplay buffer held by a Ray actor; the driver learns.
 
-Run with ``python docs/examples/ray_apex.py`` (needs ``pip install 'fastreplay[ray]'``).
+Run with ``python docs/examples/ray_apex.py`` (needs Ray: ``pip install ray``).
 ``tests/test_ray.py`` runs :func:`main` on its local Ray instance.
 """
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-try:  # optional dependency: ``pip install 'fastreplay[fast]'``
+try:  # optional dependency: ``pip install numba``
     import numba
 except ImportError:  # pragma: no cover - depends on the environment
     numba = None

@@ -40,7 +40,7 @@ from fastreplay._signature import ConstructorSignature
 
 __all__ = ["RayReplayBuffer", "checked_actor_class"]
 
-_INSTALL = "pip install 'fastreplay[ray]' (or pip install ray)"
+_INSTALL = "pip install ray"
 
 
 class ReplayBufferClassError(TypeError, AttributeError):

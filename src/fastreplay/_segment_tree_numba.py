@@ -105,9 +105,7 @@ class NumbaPriorityTrees:
         self, capacity: int, *, device: torch.device | str | None = None, branching: int = 8
     ) -> None:
         if numba is None:
-            raise ImportError(
-                "NumbaPriorityTrees needs numba: pip install 'fastreplay[fast]' (or numba)"
-            )
+            raise ImportError("NumbaPriorityTrees needs numba: pip install numba")
         if capacity < 1:
             raise ValueError(f"capacity must be a positive int, got capacity={capacity}")
         if branching < 2:

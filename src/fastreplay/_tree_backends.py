@@ -74,7 +74,7 @@ def make_trees(
         if not NUMBA_AVAILABLE:
             raise ValueError(
                 "backend='numba' needs the numba package, which is not installed: "
-                "pip install 'fastreplay[fast]', or pass backend='torch' (or None)"
+                "pip install numba, or pass backend='torch' (or None)"
             )
         if not on_cpu:
             raise ValueError(
