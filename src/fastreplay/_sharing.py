@@ -172,16 +172,25 @@ class SharedBufferChecks:
 
     @contextlib.contextmanager
     def _fr_locked(self, sampling: bool = False) -> Iterator[None]:
-        """Hold the shared write lock, report remote writes, run the TorchRL body lock-free."""
-        lock = self._write_lock
-        with self._replay_lock, _turn(lock, self._fr_gate, sampling):  # type: ignore[attr-defined]
-            if self._fr_tracks():
-                self._fr_catch_up()
-            self._write_lock = contextlib.nullcontext()
-            try:
-                yield
-            finally:
-                self._write_lock = lock
+        """Hold the shared write lock, report remote writes, run the TorchRL body lock-free.
+
+        ``_write_lock`` stands for a no-op while the body runs (TorchRL's body takes it again,
+        and a process lock is not re-entrant), so it is read only once this thread holds
+        ``_replay_lock``: another thread of this process (a ``prefetch`` thread) reading it
+        earlier would get the stand-in, run its section beside writer processes and leave
+        the stand-in behind for good. Under ``_replay_lock`` a thread sees the stand-in only
+        inside its own section, which does hold the lock.
+        """
+        with self._replay_lock:  # type: ignore[attr-defined]
+            lock = self._write_lock
+            with _turn(lock, self._fr_gate, sampling):
+                if self._fr_tracks():
+                    self._fr_catch_up()
+                self._write_lock = contextlib.nullcontext()
+                try:
+                    yield
+                finally:
+                    self._write_lock = lock
 
     def _fr_wrote(self) -> None:
         """Count this process's write (under the lock) so other processes can report it."""
