@@ -13,6 +13,9 @@ Every set-up is one entry of ``SETUPS``: adding a sampler is one line there.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -402,13 +405,13 @@ def test_pickled_copy_owns_its_write_count() -> None:
 def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     """The shared gate: a write that arrives while a sample waits for the lock waits behind it.
 
-    The locks record who starts waiting for them: while a write is in progress and a sample
-    waits (holding the gate), new writes wait at the gate and never reach the lock before the
-    sample has it, so the sample waits for one write, not for a stream of them.
+    The lock and the gate record who starts waiting for them: while a write is in progress and
+    a sample waits (marked at the gate), new writes wait at the gate and never reach the lock
+    before the sample has it, so the sample waits for one write, not for a stream of them.
     """
     import threading
 
-    from fastreplay._sharing import _turn
+    from fastreplay._sharing import _SampleFirst, _turn
 
     events: list[tuple[str, str]] = []
 
@@ -416,20 +419,19 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
         def __init__(self, name: str) -> None:
             self.name, self.inner = name, threading.Lock()
 
-        def acquire(self) -> None:
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
             events.append((threading.current_thread().name, self.name))
-            self.inner.acquire()
+            return self.inner.acquire(blocking, timeout)
 
         def release(self) -> None:
             self.inner.release()
 
-        def __enter__(self) -> None:
-            self.acquire()
+    class Gate(_SampleFirst):
+        def wait_for_samples(self) -> None:
+            events.append((threading.current_thread().name, "gate"))
+            super().wait_for_samples()
 
-        def __exit__(self, *exc: object) -> None:
-            self.release()
-
-    lock, gate, order = Spy("lock"), Spy("gate"), []
+    lock, gate, order = Spy("lock"), Gate(), []
 
     def section(sampling: bool) -> None:
         with _turn(lock, gate, sampling):
@@ -442,7 +444,7 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     ]
     try:
         sample.start()
-        while ("sample", "lock") not in events:  # the sample holds the gate, waits for the lock
+        while ("sample", "lock") not in events:  # the sample is marked, waits for the lock
             assert sample.is_alive()
         for thread in writes:
             thread.start()
@@ -454,7 +456,7 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     for thread in [sample, *writes]:
         thread.join(10)
     assert order[0] == "sample" and sorted(order[1:]) == ["w0", "w1", "w2"]
-    assert not lock.inner.locked() and not gate.inner.locked()
+    assert not lock.inner.locked() and gate._stamp.value == 0.0
 
 
 def test_shared_buffer_gate_is_copied_apart() -> None:
@@ -476,3 +478,49 @@ def test_shared_buffer_gate_is_copied_apart() -> None:
     copy.share(True)
     copy.extend(episode(0, 1))
     assert_valid(copy.sample(), NUM_SLICES)
+
+
+# ------------------------------------------------------ a killed process never blocks the others
+def _sample_while_written(rb: Any, ready: Any) -> None:
+    ready.set()
+    rb.sample()  # waits for the write lock the test holds
+
+
+def _write_one(rb: Any) -> None:
+    rb.extend(episode(1, 0))
+
+
+@pytest.mark.parametrize(
+    "build", [_slice_rb(fastreplay), _slice_rb(trl)], ids=["fastreplay", "torchrl"]
+)
+def test_a_sampler_killed_while_waiting_for_the_lock_blocks_no_write(
+    build: Callable[[Any], Any],
+) -> None:
+    """SIGKILL a process whose ``sample`` waits for the write lock: other writes go on."""
+    rb = build(LazyMemmapStorage(CAPACITY, shared_init=True))
+    rb.extend(episode(0, 0))
+    ready, lock = FORK.Event(), rb._write_lock
+    sampler = FORK.Process(target=_sample_while_written, args=(rb, ready), daemon=True)
+    writer = FORK.Process(target=_write_one, args=(rb,), daemon=True)
+    lock.acquire()  # a write in progress
+    try:
+        sampler.start()
+        assert ready.wait(60)
+        time.sleep(0.5)  # the sample now waits for the lock
+        assert sampler.is_alive()
+        os.kill(sampler.pid, signal.SIGKILL)  # not reaped yet: a zombie, as after a crash
+    finally:
+        lock.release()
+    try:
+        writer.start()
+        writer.join(20)
+        assert writer.exitcode == 0, "a write waited for a killed sampling process"
+    finally:
+        if writer.is_alive():
+            writer.kill()
+            writer.join(10)
+        sampler.join(10)
+    assert sampler.exitcode == -signal.SIGKILL
+    rb.extend(episode(0, 1))  # and in this process
+    assert rb.write_count == 3 * EPISODE
+    assert_valid(rb.sample(), NUM_SLICES)

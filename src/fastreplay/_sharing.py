@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import time
 from collections.abc import Iterator
 from multiprocessing.context import get_spawning_popen
 from typing import Any
@@ -102,7 +103,7 @@ class SharedBufferChecks:
 
     _fr_writes: Any = None  # multiprocessing.Value("q"): writes through this class, all processes
     _fr_seen: tuple[int, int] = (0, 0)  # (write_count, writes) this process's sampler was told
-    _fr_gate: Any = None  # multiprocessing.Lock: samples go before writes not yet started
+    _fr_gate: Any = None  # _SampleFirst: samples go before writes not yet started
 
     def share(self, shared: bool = True) -> Any:
         """Share the buffer with other processes, as TorchRL does, after checking it can be."""
@@ -111,7 +112,7 @@ class SharedBufferChecks:
         out = super().share(shared)  # type: ignore[misc]
         if shared and self._fr_writes is None:
             self._fr_writes = multiprocessing.Value("q", 0)
-            self._fr_gate = multiprocessing.Lock()
+            self._fr_gate = _SampleFirst()
             writer = getattr(self, "_writer", None)  # earlier writes were reported locally
             self._fr_seen = (int(getattr(writer, "_write_count", 0) or 0), 0)
         return out
@@ -230,31 +231,72 @@ class SharedBufferChecks:
         if isinstance(state.get("_fr_writes"), int):
             state["_fr_writes"] = multiprocessing.Value("q", state["_fr_writes"])
         if state.get("_fr_gate") is True:
-            state["_fr_gate"] = multiprocessing.Lock()
+            state["_fr_gate"] = _SampleFirst()
         super().__setstate__(state)  # type: ignore[misc]
 
 
 _ROUND_ROBIN = (RoundRobinWriter, TensorDictRoundRobinWriter)
 
 
+class _SampleFirst:
+    """Shared across processes: "a sample is waiting for the write lock", and since when.
+
+    Holds no lock. A waiting sample refreshes a shared time stamp every :attr:`BEAT` seconds
+    while it waits; a write about to wait for the lock first waits while the stamp is fresh
+    (younger than :attr:`STALE` seconds). A sampling process that dies while it waits stops
+    refreshing the stamp, so the writes of the survivors go on at most :attr:`STALE` seconds
+    later: a dead process never blocks the others. ``time.monotonic`` is one clock for every
+    process of the machine.
+    """
+
+    BEAT = 0.05
+    STALE = 0.5
+
+    def __init__(self) -> None:
+        self._stamp = multiprocessing.RawValue("d", 0.0)  # 0.0: no sample waiting
+
+    def wait_as_sample(self, lock: Any) -> None:
+        """Acquire ``lock``, marking a sample as waiting until it has it. ``O(wait / BEAT)``."""
+        stamp = self._stamp
+        try:
+            while True:
+                stamp.value = time.monotonic()
+                if lock.acquire(timeout=self.BEAT):
+                    return
+        finally:
+            stamp.value = 0.0
+
+    def wait_for_samples(self) -> None:
+        """Return once no live sample is waiting for the lock. ``O(wait / 1 ms)``."""
+        stamp, pause = self._stamp, 1e-4
+        while True:
+            since = stamp.value
+            if since == 0.0 or time.monotonic() - since > self.STALE:
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+
+
 @contextlib.contextmanager
-def _turn(lock: Any, gate: Any, sampling: bool) -> Iterator[None]:
+def _turn(lock: Any, gate: _SampleFirst | None, sampling: bool) -> Iterator[None]:
     """Hold ``lock``; a sample (``sampling``) goes before the writes that have not started.
 
-    A sample holds ``gate`` while it waits for ``lock``, and a write passes ``gate`` before it
-    waits for ``lock``: a sample then waits for the write in progress, not for a stream of
-    writes from several processes that keep ``lock`` busy (the lock is not fair). Writes wait
-    for the sample in progress, as they do in TorchRL. ``O(1)``; ``gate=None``: ``lock`` only
+    A sample marks itself as waiting (``gate``) while it waits for ``lock``, and a write waits
+    while a sample is marked before it waits for ``lock``: a sample then waits for the write in
+    progress, not for a stream of writes from several processes that keep ``lock`` busy (the
+    lock is not fair). Writes wait for the sample in progress, as they do in TorchRL. No one
+    holds anything but ``lock`` while waiting, so a process killed while it waits blocks no
+    one (see :class:`_SampleFirst`). ``O(1)`` besides the waits; ``gate=None``: ``lock`` only
     (also when ``lock`` is the ``nullcontext`` of a section already holding it).
     """
     if gate is None or not hasattr(lock, "acquire"):
         with lock:
             yield
         return
-    with gate:
-        if sampling:
-            lock.acquire()
-    if not sampling:
+    if sampling:
+        gate.wait_as_sample(lock)
+    else:
+        gate.wait_for_samples()
         lock.acquire()
     try:
         yield
