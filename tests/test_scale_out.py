@@ -13,6 +13,9 @@ Every set-up is one entry of ``SETUPS``: adding a sampler is one line there.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +24,7 @@ import pytest
 import torch
 import torchrl.data as trl
 from tensordict import TensorDict
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, RandomSampler
 
 import fastreplay
 from conftest import TORCHRL_EXT
@@ -322,11 +325,6 @@ BAD = [
         id="list-storage",
     ),
     pytest.param(
-        lambda: fastreplay.TensorDictReplayBuffer(storage=LazyTensorStorage(7), shared=True),
-        r"LazyTensorStorage\(shared_init=False\) is not initialized.*shared_init=True",
-        id="lazy-storage-without-shared-init",
-    ),
-    pytest.param(
         lambda: _per(storage=LazyMemmapStorage(7, shared_init=True), shared=True),
         r"sampler=PrioritizedSampler: its priority trees live in one process.*sync=False",
         id="prioritized-sync-true",
@@ -338,6 +336,74 @@ BAD = [
 def test_unshareable_setups_fail_at_construction(build: Callable[[], Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build()
+
+
+def _extend_sevens(rb: Any) -> None:
+    rb.extend(TensorDict(obs=torch.full((3,), 7), batch_size=[3]))
+
+
+def _forked(target: Callable[..., None], *args: Any) -> None:
+    proc = FORK.Process(target=target, args=args)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+
+
+def _torchrl_list_storage() -> None:
+    rb = trl.TensorDictReplayBuffer(storage=ListStorage(10), shared=True)
+    rb.extend(TensorDict(obs=torch.arange(2), batch_size=[2]))
+    _forked(_extend_sevens, rb)
+    assert rb.write_count == 5 and len(rb) == 2  # counted, never received
+
+
+def _torchrl_prioritized_sync_true() -> None:
+    if not TORCHRL_EXT:
+        pytest.skip("TorchRL's prioritized sampler needs its compiled extension (torchrl._torchrl)")
+    rb = trl.TensorDictPrioritizedReplayBuffer(
+        alpha=0.7,
+        beta=0.5,
+        storage=LazyMemmapStorage(100, shared_init=True),
+        batch_size=64,
+        shared=True,
+    )
+    rb.extend(TensorDict(obs=torch.arange(10), batch_size=[10]))
+    _forked(_extend_sevens, rb)
+    assert len(rb) == 13 and bool((stored(rb)["obs"][10:] == 7).all())
+    assert max(i for _ in range(30) for i in rb.sample()["index"].tolist()) < 10
+
+
+def _torchrl_lazy_storage_written_here_first() -> None:
+    rb = trl.TensorDictReplayBuffer(storage=LazyTensorStorage(8), shared=True)
+    rb.extend(TensorDict(obs=torch.arange(2), batch_size=[2]))
+    _forked(_extend_sevens, rb)
+    assert len(rb) == 5 and not bool((stored(rb)["obs"][2:] == 7).all())  # not the rows written
+
+
+def _torchrl_lazy_storage_written_by_the_worker_first() -> None:
+    rb = trl.TensorDictReplayBuffer(storage=LazyTensorStorage(8), shared=True)
+    _forked(_extend_sevens, rb)
+    assert len(rb) == 3 and not rb.storage.initialized  # counted, nothing to read
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        _torchrl_list_storage,
+        _torchrl_prioritized_sync_true,
+        _torchrl_lazy_storage_written_here_first,
+        _torchrl_lazy_storage_written_by_the_worker_first,
+    ],
+    ids=lambda case: case.__name__.removeprefix("_torchrl_"),
+)
+def test_torchrl_loses_a_forked_writer_s_rows(case: Callable[[], None]) -> None:
+    """Why fastreplay refuses or moves these set-ups: TorchRL's learner misses a worker's rows.
+
+    ``ListStorage`` and ``sync=True`` are refused at construction; a lazy storage is moved to
+    shared memory when first written by the process that shared it, and refused when first
+    written elsewhere (the tests above). TorchRL accepts all four and a ``fork``ed worker's
+    rows never reach the learner.
+    """
+    case()
 
 
 def test_share_on_an_unshareable_buffer_changes_nothing() -> None:
@@ -355,14 +421,24 @@ def test_share_on_an_unshareable_buffer_changes_nothing() -> None:
         lambda: fastreplay.TensorDictReplayBuffer(
             storage=LazyTensorStorage(7, shared_init=True), shared=True
         ),
+        lambda: fastreplay.TensorDictReplayBuffer(storage=LazyTensorStorage(7), shared=True),
+        lambda: fastreplay.TensorDictReplayBuffer(storage=LazyMemmapStorage(7)).share(True),
         lambda: _per(storage=LazyMemmapStorage(7, shared_init=True), shared=True, sync=False),
+        lambda: _per(storage=LazyTensorStorage(7), shared=True, sync=False),
         lambda: fastreplay.TensorDictReplayBuffer(
             storage=LazyMemmapStorage(7, shared_init=True),
             sampler=fastreplay.SliceSampler(num_slices=2, traj_key="traj"),
             shared=True,
         ),
     ],
-    ids=["lazy-tensor-shared-init", "prioritized-sync-false", "slice"],
+    ids=[
+        "lazy-tensor-shared-init",
+        "lazy-tensor-not-written-yet",
+        "lazy-memmap-not-written-yet-share",
+        "prioritized-sync-false",
+        "prioritized-sync-false-lazy-tensor",
+        "slice",
+    ],
 )
 def test_shareable_setups_construct(build: Callable[[], Any]) -> None:
     assert build().shared is True
@@ -402,13 +478,13 @@ def test_pickled_copy_owns_its_write_count() -> None:
 def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     """The shared gate: a write that arrives while a sample waits for the lock waits behind it.
 
-    The locks record who starts waiting for them: while a write is in progress and a sample
-    waits (holding the gate), new writes wait at the gate and never reach the lock before the
-    sample has it, so the sample waits for one write, not for a stream of them.
+    The lock and the gate record who starts waiting for them: while a write is in progress and
+    a sample waits (marked at the gate), new writes wait at the gate and never reach the lock
+    before the sample has it, so the sample waits for one write, not for a stream of them.
     """
     import threading
 
-    from fastreplay._sharing import _turn
+    from fastreplay._sharing import _SampleFirst, _turn
 
     events: list[tuple[str, str]] = []
 
@@ -416,20 +492,19 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
         def __init__(self, name: str) -> None:
             self.name, self.inner = name, threading.Lock()
 
-        def acquire(self) -> None:
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
             events.append((threading.current_thread().name, self.name))
-            self.inner.acquire()
+            return self.inner.acquire(blocking, timeout)
 
         def release(self) -> None:
             self.inner.release()
 
-        def __enter__(self) -> None:
-            self.acquire()
+    class Gate(_SampleFirst):
+        def wait_for_samples(self) -> None:
+            events.append((threading.current_thread().name, "gate"))
+            super().wait_for_samples()
 
-        def __exit__(self, *exc: object) -> None:
-            self.release()
-
-    lock, gate, order = Spy("lock"), Spy("gate"), []
+    lock, gate, order = Spy("lock"), Gate(), []
 
     def section(sampling: bool) -> None:
         with _turn(lock, gate, sampling):
@@ -442,7 +517,7 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     ]
     try:
         sample.start()
-        while ("sample", "lock") not in events:  # the sample holds the gate, waits for the lock
+        while ("sample", "lock") not in events:  # the sample is marked, waits for the lock
             assert sample.is_alive()
         for thread in writes:
             thread.start()
@@ -454,7 +529,7 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     for thread in [sample, *writes]:
         thread.join(10)
     assert order[0] == "sample" and sorted(order[1:]) == ["w0", "w1", "w2"]
-    assert not lock.inner.locked() and not gate.inner.locked()
+    assert not lock.inner.locked() and gate._stamp.value == 0.0
 
 
 def test_shared_buffer_gate_is_copied_apart() -> None:
@@ -476,3 +551,199 @@ def test_shared_buffer_gate_is_copied_apart() -> None:
     copy.share(True)
     copy.extend(episode(0, 1))
     assert_valid(copy.sample(), NUM_SLICES)
+
+
+# --------------------------------------------- lazy storages shared before their first write
+# TorchRL's ``TestSharedStorageInit`` (test/rb/test_storages.py) in fastreplay's buffers, with
+# ``fork``: the buffer is shared before its ``LazyTensorStorage`` is initialized, the parent
+# writes first, and a forked worker's writes (rows, length, mutation revision, cursor, episode
+# boundaries) reach the parent. TorchRL shares the rows only when a ``spawn``ed process pickles
+# the storage; fastreplay moves it to shared memory at the first write, so ``fork`` works too.
+def _transitions(first: int, done: list[int], count: int) -> TensorDict:
+    obs = torch.arange(first, first + count)
+    return TensorDict(
+        {"obs": obs, ("next", "done"): torch.tensor([int(o) in done for o in obs])},
+        batch_size=[count],
+    )
+
+
+def _revision_worker(rb: Any, queue: Any) -> None:
+    rb.extend(_transitions(6, [7], 2))
+    queue.put(rb.storage._mutation_revision)
+
+
+def _boundary_worker(rb: Any, queue: Any) -> None:
+    rb[1] = TensorDict({"obs": torch.tensor(1), ("next", "done"): torch.tensor(True)}, [])
+    queue.put(rb.storage._mutation_revision)
+
+
+def _run(target: Callable[..., None], rb: Any) -> Any:
+    queue = FORK.Queue()
+    proc = FORK.Process(target=target, args=(rb, queue))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    return queue.get(timeout=5)
+
+
+def _slices(rb: Any, count: int) -> set[tuple[int, ...]]:
+    return {tuple(row) for _ in range(count) for row in rb.sample()["obs"].view(-1, 2).tolist()}
+
+
+@pytest.mark.parametrize("sampler", ["RandomSampler", "SliceSampler"])
+def test_lazy_storage_shared_before_its_first_write(sampler: str) -> None:
+    """Shared before it is initialized, first written here: a forked worker's writes arrive."""
+    storage = LazyTensorStorage(8)
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=storage,
+        sampler=RandomSampler()
+        if sampler == "RandomSampler"
+        else fastreplay.SliceSampler(slice_len=2, end_key=("next", "done")),
+        batch_size=4,
+    ).share(True)
+    rb.extend(_transitions(0, [3], 6))
+    assert storage._mutation_revision == 1
+
+    assert _run(_revision_worker, rb) == 2
+    assert storage._mutation_revision == 2 and storage._last_cursor_index == 7
+    assert len(rb) == rb.write_count == 8 and rb._writer._cursor == 0
+    assert stored(rb)["obs"].tolist() == list(range(8))  # the worker's rows, seen here
+    assert rb[6:8]["next", "done"].tolist() == [False, True]
+    if sampler == "RandomSampler":
+        sample = rb.sample()
+        assert torch.equal(sample["obs"], sample["index"])
+        assert {6, 7} <= {o for _ in range(40) for o in rb.sample()["obs"].tolist()}
+        return
+
+    # Episodes [0..3] and [4..7]; the slice (1, 2) is valid until a worker ends one at 1.
+    assert (1, 2) in _slices(rb, 60)
+    assert _run(_boundary_worker, rb) == 3
+    assert storage._mutation_revision == 3
+    assert stored(rb)["next", "done"].tolist() == [0, 1, 0, 1, 0, 0, 0, 1]
+    slices = _slices(rb, 60)
+    assert (1, 2) not in slices and slices <= {(0, 1), (2, 3), (4, 5), (5, 6), (6, 7)}
+
+
+def _first_write(rb: Any, queue: Any) -> None:
+    try:
+        rb.extend(_transitions(0, [], 3))
+    except RuntimeError as err:
+        queue.put(str(err))
+    else:
+        queue.put(None)
+
+
+def test_lazy_storage_first_written_by_another_process_is_refused() -> None:
+    """A forked worker that would initialize the storage for itself raises, writing nothing."""
+    rb = fastreplay.TensorDictReplayBuffer(storage=LazyTensorStorage(8), shared=True)
+    message = _run(_first_write, rb)
+    assert message is not None
+    assert f"not in process {os.getpid()} that shared the buffer" in message
+    assert "pass storage=LazyTensorStorage(max_size, shared_init=True)" in message
+    assert len(rb) == rb.write_count == 0
+    rb.extend(_transitions(0, [], 3))  # the process that shared it can still write
+    assert len(rb) == 3
+    assert _run(_revision_worker, rb) == 2  # and, from then on, its workers too
+    assert len(rb) == 5
+
+
+# ------------------------------------------- TorchRL's async SAC: sync=False, shared afterwards
+def _write_three(rb: Any, writer: int) -> None:
+    _write(rb, writer, 0, 3)
+
+
+@pytest.mark.parametrize(
+    ("start", "share_at"),
+    [
+        ("fork", "construction"),
+        ("fork", "share"),
+        pytest.param("spawn", "share", marks=pytest.mark.slow),
+    ],
+)
+def test_sync_false_prioritized_buffer_extended_then_shared(start: str, share_at: str) -> None:
+    """Extended once here, then shared (``shared=True`` or ``share()``, as collectors call it).
+
+    The workers' rows reach the learner's prioritized sampler, which samples them and takes
+    their new priorities.
+    """
+    rb = _per(
+        storage=LazyTensorStorage(CAPACITY),
+        batch_size=BATCH,
+        sync=False,
+        shared=share_at == "construction",
+    )
+    rb.extend(episode(9, 0))
+    if share_at == "share":
+        rb.share()
+    writers = WRITERS if start == "fork" else 1  # a spawned process imports torch: seconds
+    ctx = multiprocessing.get_context(start)
+    procs = [ctx.Process(target=_write_three, args=(rb, w)) for w in range(writers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0] * writers
+    assert len(rb) == rb.write_count == EPISODE * (1 + writers * 3)
+    new = {w * 1_000 + n for w in range(writers) for n in range(3)}
+    seen: set[int] = set()
+    for _ in range(30):
+        sample = rb.sample()
+        assert_valid(sample, None)
+        seen |= set(sample["traj"].tolist())
+    assert new <= seen
+
+    rows = stored(rb)
+    remote = torch.nonzero(rows["traj"] != 9_000).squeeze(-1)
+    rb.update_priority(remote, torch.full((remote.numel(),), 50.0))
+    raw = raw_priorities(rb)
+    assert torch.all(raw[remote] == 50.0) and torch.all(raw[:EPISODE] == 1.0)
+    sample = rb.sample()
+    sample["td_error"] = torch.full((BATCH,), 2.0)
+    rb.update_tensordict_priority(sample)
+    assert torch.all(raw_priorities(rb)[sample["index"]] == 2.0)
+
+
+# ------------------------------------------------------ a killed process never blocks the others
+def _sample_while_written(rb: Any, ready: Any) -> None:
+    ready.set()
+    rb.sample()  # waits for the write lock the test holds
+
+
+def _write_one(rb: Any) -> None:
+    rb.extend(episode(1, 0))
+
+
+@pytest.mark.parametrize(
+    "build", [_slice_rb(fastreplay), _slice_rb(trl)], ids=["fastreplay", "torchrl"]
+)
+def test_a_sampler_killed_while_waiting_for_the_lock_blocks_no_write(
+    build: Callable[[Any], Any],
+) -> None:
+    """SIGKILL a process whose ``sample`` waits for the write lock: other writes go on."""
+    rb = build(LazyMemmapStorage(CAPACITY, shared_init=True))
+    rb.extend(episode(0, 0))
+    ready, lock = FORK.Event(), rb._write_lock
+    sampler = FORK.Process(target=_sample_while_written, args=(rb, ready), daemon=True)
+    writer = FORK.Process(target=_write_one, args=(rb,), daemon=True)
+    lock.acquire()  # a write in progress
+    try:
+        sampler.start()
+        assert ready.wait(60)
+        time.sleep(0.5)  # the sample now waits for the lock
+        assert sampler.is_alive()
+        os.kill(sampler.pid, signal.SIGKILL)  # not reaped yet: a zombie, as after a crash
+    finally:
+        lock.release()
+    try:
+        writer.start()
+        writer.join(20)
+        assert writer.exitcode == 0, "a write waited for a killed sampling process"
+    finally:
+        if writer.is_alive():
+            writer.kill()
+            writer.join(10)
+        sampler.join(10)
+    assert sampler.exitcode == -signal.SIGKILL
+    rb.extend(episode(0, 1))  # and in this process
+    assert rb.write_count == 3 * EPISODE
+    assert_valid(rb.sample(), NUM_SLICES)

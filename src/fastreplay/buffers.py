@@ -342,8 +342,11 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuf
         **kwargs: Everything :class:`torchrl.data.TensorDictReplayBuffer` accepts.
 
     With ``shared=True`` (or ``share()``, which multi-process collectors call), the buffer is
-    checked to be shareable, and writes made by other processes are reported to this process's
-    sampler (see ``docs/scale_out.md``).
+    checked to be shareable, its storage is moved to shared memory once it is initialized (so
+    ``fork``ed workers write into it too), and writes made by other processes are reported to
+    this process's sampler (see ``docs/scale_out.md``). A lazy storage without
+    ``shared_init=True`` must be first written in the process that shares the buffer: a first
+    write elsewhere raises ``RuntimeError``.
 
     Raises:
         TypeError: ``device`` is not a device-like value.
