@@ -10,8 +10,14 @@ report. To keep the ratios honest on a machine that other processes share:
 * the load average, the CPU count and the CPU time other processes took are recorded before and
   after every scenario, and the table flags the scenarios that ran on a busy machine.
 
-``python -m benchmarks --help`` never imports torch: scenario options are read from the scenario
-modules' source (see :func:`scenario_specs`), and the modules are imported only to run.
+``python -m benchmarks --help`` never imports torch: scenario options, and the checks of values
+that must fit together, are read from the scenario modules' source (see :func:`scenario_specs`),
+and the modules are imported only to run. Every value is checked before anything runs
+(:func:`parse_arguments`): a bad one is a usage error (exit code 2) naming the option.
+
+A scenario that cannot measure anything here raises :class:`NotMeasured` with the reason; it is
+reported as "not measured", never as timed on a busy machine. With the output redirected (not a
+terminal), TorchRL's INFO log lines and progress bars are left out; see :func:`progress`.
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ import __future__
 
 import argparse
 import ast
+import builtins
+import dis
 import gc
 import importlib
+import importlib.util
 import json
+import logging
 import math
 import os
 import platform
@@ -32,10 +42,17 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, FunctionType, ModuleType
 from typing import Any
+
+from benchmarks import report
+from benchmarks.results import NotMeasured as NotMeasured
+from benchmarks.results import Result as Result
+from benchmarks.results import fmt_load as fmt_load
+from benchmarks.results import fmt_ratio as fmt_ratio
+from benchmarks.results import ratio as ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
@@ -76,20 +93,8 @@ def parse_counts(text: str) -> list[int]:
     return counts
 
 
-def count_text(text: str) -> str:
-    """Argparse ``type=``: check ``text`` is a count, keep it as written."""
-    parse_count(text)
-    return text
-
-
-def counts_text(text: str) -> str:
-    """Argparse ``type=``: check ``text`` is a comma-separated list of counts, keep it."""
-    parse_counts(text)
-    return text
-
-
 def positive_int(text: str) -> int:
-    """Argparse ``type=``: an integer >= 1."""
+    """Argparse ``type=``: a count of at least 1 (suffixes allowed: ``10k``)."""
     value = parse_count(text)
     if value < 1:
         raise CountError(f"{text!r}: must be at least 1")
@@ -97,12 +102,76 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """Argparse ``type=``: an integer >= 0."""
+    """Argparse ``type=``: a count of at least 0 (suffixes allowed: ``10k``)."""
     return parse_count(text)
 
 
+def seed_int(text: str) -> int:
+    """Argparse ``type=``: a seed torch accepts, 0 to 2**64 - 1."""
+    value = parse_count(text)
+    if value >= 2**64:
+        raise CountError(f"{text!r}: a seed must be below 2**64 (18446744073709551616)")
+    return value
+
+
+def count_text(text: str) -> str:
+    """Argparse ``type=``: a count of at least 1, kept as written (``"6M"``)."""
+    positive_int(text)
+    return text
+
+
+def counts_text(text: str) -> str:
+    """Argparse ``type=``: comma-separated counts, each at least 1, none twice; kept as written."""
+    counts = parse_counts(text)
+    if min(counts) < 1:
+        raise CountError(f"{text!r}: every count must be at least 1, got {min(counts)}")
+    twice = sorted({fmt_count(n) for n in counts if counts.count(n) > 1})
+    if twice:
+        raise CountError(f"{text!r}: {', '.join(twice)} listed twice; give each count once")
+    return text
+
+
+def positive_seconds(text: str) -> float:
+    """Argparse ``type=``: a finite number of seconds above 0 (``5``, ``0.5``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of seconds above 0 (e.g. 5 or 0.5)"
+        )
+    return value
+
+
+def sizes_and_capacity(stored: str, capacity: str | None) -> tuple[list[int], int]:
+    """The stored sizes of ``"1M,5M"`` and the capacity: ``capacity``, or 1.2x the largest size."""
+    sizes = parse_counts(stored)
+    return sizes, parse_count(capacity) if capacity else int(1.2 * max(sizes))
+
+
+def check_sizes(prefix: str, stored: str, capacity: str | None, slice_len: int) -> list[str]:
+    """Problems of ``--<prefix>-stored`` and ``--<prefix>-capacity`` with strict slices.
+
+    Every stored size must fit in the capacity, and hold a whole slice of ``slice_len`` steps.
+    """
+    problems = []
+    sizes, slots = sizes_and_capacity(stored, capacity)
+    if max(sizes) > slots:
+        problems.append(
+            f"--{prefix}-stored {stored} exceeds --{prefix}-capacity {capacity}: store at most "
+            "the capacity (or leave the capacity out: 1.2x the largest size)"
+        )
+    if slice_len > min(sizes):
+        problems.append(
+            f"--{prefix}-slice-len {slice_len} is longer than the smallest --{prefix}-stored "
+            f"({fmt_count(min(sizes))}): no trajectory holds a whole slice"
+        )
+    return problems
+
+
 def choice_list(*choices: str) -> Callable[[str], str]:
-    """Argparse ``type=`` for a comma-separated subset of ``choices``, kept as written."""
+    """Argparse ``type=``: a comma-separated subset of ``choices``, each once, kept as written."""
 
     def check(text: str) -> str:
         items = [t.strip() for t in text.split(",") if t.strip()]
@@ -110,6 +179,11 @@ def choice_list(*choices: str) -> Callable[[str], str]:
         if bad or not items:
             raise argparse.ArgumentTypeError(
                 f"{text!r}: give a comma-separated list of {', '.join(choices)}"
+            )
+        twice = sorted({t for t in items if items.count(t) > 1})
+        if twice:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {', '.join(twice)} listed twice; give each name once"
             )
         return text
 
@@ -124,38 +198,6 @@ def fmt_count(n: int) -> str:
             value = n / scale
             return f"{value:g}{suffix}"
     return str(n)
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """``numerator / denominator``, or ``None`` where it is undefined (missing or <= 0)."""
-    if numerator is None or denominator is None or denominator <= 0 or numerator < 0:
-        return None
-    return numerator / denominator
-
-
-def fmt_ratio(value: float | None, undefined: str = "n/a") -> str:
-    """``12.3x``; ``undefined`` (say why) where :func:`ratio` gave ``None``."""
-    if value is None or math.isnan(value):
-        return undefined
-    return f"{value:,.1f}x"
-
-
-@dataclass
-class Result:
-    """One measured case: a fastreplay median and, when comparable, TorchRL's."""
-
-    scenario: str
-    case: str
-    fastreplay_s: float
-    torchrl_s: float | None
-    correct: bool
-    params: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def speedup(self) -> float | None:
-        """TorchRL time / fastreplay time (above 1: fastreplay is faster)."""
-        return ratio(self.torchrl_s, self.fastreplay_s)
 
 
 def _timed_calls(
@@ -257,20 +299,39 @@ def interleaved_seconds(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+PLAIN_PROGRESS_EVERY_S = 10.0  # seconds between plain progress lines (output not a terminal)
+
+
+def interactive() -> bool:
+    """Whether both stdout and stderr are terminals (not redirected to a file or a pipe)."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
 @contextmanager
 def progress(total: int, desc: str) -> Iterator[Callable[[int], None]]:
-    """A progress bar on stderr for long fills; yields ``advance(n)``."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # bench extra not installed: print a line per 10%
-        done = [0, 0]
+    """Progress of a long fill on stderr; yields ``advance(n)``.
+
+    On a terminal, a tqdm bar (erased when done). Redirected to a file, or without tqdm, plain
+    lines instead of a bar's carriage returns: one every :data:`PLAIN_PROGRESS_EVERY_S`
+    seconds, so short fills print nothing.
+    """
+    tqdm = None
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:  # bench extra not installed: plain lines
+            tqdm = None
+    if tqdm is None:
+        start = time.perf_counter()
+        state = {"done": 0, "printed": start}
 
         def advance(n: int) -> None:
-            done[0] += n
-            tenth = 10 * done[0] // max(total, 1)
-            if tenth > done[1]:
-                done[1] = tenth
-                print(f"{desc}: {10 * tenth}%", file=sys.stderr, flush=True)
+            state["done"] += n
+            now = time.perf_counter()
+            if now - state["printed"] >= PLAIN_PROGRESS_EVERY_S:
+                state["printed"] = now
+                percent = 100 * state["done"] // max(total, 1)
+                print(f"{desc}: {percent}% after {now - start:.0f} s", file=sys.stderr, flush=True)
 
         yield advance
         return
@@ -279,6 +340,26 @@ def progress(total: int, desc: str) -> Iterator[Callable[[int], None]]:
         yield bar.update
     finally:
         bar.close()
+
+
+@contextmanager
+def quiet_torchrl_log() -> Iterator[None]:
+    """Hide TorchRL's INFO log lines while the output goes to a file or a pipe.
+
+    TorchRL logs an INFO line, with terminal colour codes, for every storage it initialises.
+    On a terminal, or when ``RL_LOGGING_LEVEL`` chooses the level, nothing changes; otherwise
+    the ``torchrl`` logger shows warnings and errors only until the block ends.
+    """
+    if interactive() or "RL_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    logger = logging.getLogger("torchrl")
+    level = logger.level
+    logger.setLevel(max(logging.WARNING, logger.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def peak_rss_bytes() -> int:
@@ -374,32 +455,21 @@ def load_summary(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
     }
 
 
-def fmt_load(load: Mapping[str, Any]) -> str:
-    """One line: load averages and the cores other processes used."""
-    before, after = load.get("loadavg_before"), load.get("loadavg_after")
-    text = "load average n/a"
-    if before and after:
-        text = f"load average {before[0]:.1f} -> {after[0]:.1f}"
-    other = load.get("other_processes_cores")
-    if other is not None:
-        text += f", other processes used {other:.1f} of {load['usable_cpus']} cores"
-    return text
-
-
 # --------------------------------------------------------------------------- scenarios
 
 
 @dataclass
 class ScenarioSpec:
-    """What ``--help`` needs from a scenario module, read without importing it."""
+    """What ``--help`` and the argument checks need from a scenario, read without importing it."""
 
     name: str
     description: str
     module: str
     add_arguments: Callable[[Any], None]
+    check_arguments: Callable[[argparse.Namespace], list[str]] | None = None
 
 
-_LIGHT_MODULES = {"__future__", "benchmarks", "benchmarks.harness"}
+_LIGHT_MODULES = {"__future__", "benchmarks", "benchmarks.harness", "benchmarks.results"}
 
 
 def _light_import(node: ast.Import | ast.ImportFrom) -> bool:
@@ -410,14 +480,36 @@ def _light_import(node: ast.Import | ast.ImportFrom) -> bool:
     return all(n in _LIGHT_MODULES or n.split(".")[0] in sys.stdlib_module_names for n in names)
 
 
+def _unresolved(fn: FunctionType, namespace: Mapping[str, Any]) -> set[str]:
+    """Global names that ``fn``, or a function of ``namespace`` it calls, needs but is missing."""
+    missing, seen = set(), set()
+    codes: list[CodeType] = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        codes.extend(c for c in code.co_consts if isinstance(c, CodeType))
+        for instruction in dis.get_instructions(code):
+            name = instruction.argval
+            if instruction.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or name in seen:
+                continue
+            seen.add(name)
+            value = namespace.get(name, namespace)
+            if value is namespace:
+                if not hasattr(builtins, name):
+                    missing.add(name)
+            elif isinstance(value, FunctionType) and value.__globals__ is namespace:
+                codes.append(value.__code__)
+    return missing
+
+
 def _spec_from_source(module: str, path: Path) -> ScenarioSpec:
-    """Build a scenario's ``NAME``, ``DESCRIPTION`` and ``add_arguments`` from its source.
+    """Build a scenario's ``NAME``, ``DESCRIPTION``, ``add_arguments`` (and ``check_arguments``).
 
     Only standard-library and harness imports, literal constants and undecorated functions are
     executed (annotations are never evaluated), so torch and friends are not imported.
 
     Raises:
-        LookupError: if the module does not define them in that form; the caller then imports it.
+        LookupError: if the module does not define them in that form, or they need a name that
+            was left out; the caller then imports the module.
     """
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     namespace: dict[str, Any] = {"__name__": module, "__file__": str(path)}
@@ -441,13 +533,18 @@ def _spec_from_source(module: str, path: Path) -> ScenarioSpec:
             continue
     name, description = namespace.get("NAME"), namespace.get("DESCRIPTION")
     add_arguments = namespace.get("add_arguments")
+    check_arguments = namespace.get("check_arguments")
     if not isinstance(name, str) or not isinstance(description, str) or add_arguments is None:
         raise LookupError(f"{path}: NAME, DESCRIPTION or add_arguments not found as literals")
-    try:  # it must run on its own (no name it needs was left out)
+    for fn in (add_arguments, check_arguments):
+        missing = _unresolved(fn, namespace) if fn is not None else ()
+        if missing:
+            raise LookupError(f"{path}: {fn.__name__} needs {sorted(missing)} from the module")
+    try:  # it must run on its own
         add_arguments(argparse.ArgumentParser(add_help=False).add_argument_group("probe"))
     except Exception as err:
         raise LookupError(f"{path}: add_arguments needs the full module ({err!r})") from err
-    return ScenarioSpec(name, description, module, add_arguments)
+    return ScenarioSpec(name, description, module, add_arguments, check_arguments)
 
 
 def scenario_specs() -> dict[str, ScenarioSpec]:
@@ -465,7 +562,13 @@ def scenario_specs() -> dict[str, ScenarioSpec]:
             spec = _spec_from_source(module, path)
         except (LookupError, SyntaxError):
             real = importlib.import_module(module)
-            spec = ScenarioSpec(real.NAME, real.DESCRIPTION, module, real.add_arguments)
+            spec = ScenarioSpec(
+                real.NAME,
+                real.DESCRIPTION,
+                module,
+                real.add_arguments,
+                getattr(real, "check_arguments", None),
+            )
         found[spec.name] = spec
     return found
 
@@ -562,7 +665,8 @@ def build_parser(specs: Mapping[str, ScenarioSpec]) -> argparse.ArgumentParser:
             "fastreplay is faster).\n\n"
             "Writes results.json (timings, versions, the machine and its load before and\n"
             "after each scenario), results.md and results.png into --out. Counts take k, M\n"
-            "and G suffixes (6M = 6,000,000)."
+            "and G suffixes (6M = 6,000,000). Every value is checked before anything runs:\n"
+            "a bad value, or values that do not fit together, is a usage error."
         ),
         epilog=(
             "Threads: with several torch threads on cores that other processes also use,\n"
@@ -589,7 +693,7 @@ def build_parser(specs: Mapping[str, ScenarioSpec]) -> argparse.ArgumentParser:
         help="timed calls per median (some scenarios time cheap calls more often)",
     )
     parser.add_argument(
-        "--seed", type=non_negative_int, default=0, help="seed for torch and the samplers"
+        "--seed", type=seed_int, default=0, help="seed for torch and the samplers (0 to 2**64-1)"
     )
     parser.add_argument(
         "--threads",
@@ -608,21 +712,44 @@ def build_parser(specs: Mapping[str, ScenarioSpec]) -> argparse.ArgumentParser:
         group = parser.add_argument_group(f"{name}: {spec.description}")
         spec.add_arguments(group)
         for action in group._group_actions:
-            _type_counts(action)
             if not action.help:  # still show the default
                 action.help = " "
     return parser
 
 
-def _type_counts(action: argparse.Action) -> None:
-    """Give an untyped option whose default is a count (``"6M"``, ``"1M,10M"``) a checker."""
-    if action.type is not None or not isinstance(action.default, str):
-        return
-    try:
-        parse_counts(action.default)
-    except ValueError:
-        return
-    action.type = counts_text  # a single count is a one-item list
+def check_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, specs: Mapping[str, ScenarioSpec]
+) -> None:
+    """Check what each value's ``type=`` cannot: values that must fit together.
+
+    Every scenario's ``check_arguments(args)`` runs (whether or not ``--only`` selects it: its
+    defaults always pass, so only values given on the command line can fail), then the
+    harness's own checks.
+
+    Raises:
+        SystemExit: through ``parser.error`` (exit code 2), listing every problem found.
+    """
+    problems = []
+    if args.out.exists() and not args.out.is_dir():
+        problems.append(
+            f"--out {args.out}: is a file; pass a folder (created if missing) for the results"
+        )
+    for spec in specs.values():
+        if spec.check_arguments is not None:
+            problems += spec.check_arguments(args)
+    if problems:
+        parser.error("\n".join(problems))
+
+
+def parse_arguments(
+    argv: list[str] | None = None, specs: Mapping[str, ScenarioSpec] | None = None
+) -> argparse.Namespace:
+    """Parse and check the command line; a usage error exits with code 2 before anything runs."""
+    specs = scenario_specs() if specs is None else specs
+    parser = build_parser(specs)
+    args = parser.parse_args(argv)
+    check_arguments(parser, args, specs)
+    return args
 
 
 def _describe(module: ModuleType) -> str:
@@ -630,18 +757,24 @@ def _describe(module: ModuleType) -> str:
     return module.DESCRIPTION + (f" (vs {baseline})" if baseline else "")
 
 
+def _case_line(r: Result) -> str:
+    line = (
+        f"  {r.case:<52} TorchRL {report.fmt_measure(r.torchrl_s, r.rate_unit):>10}  "
+        f"fastreplay {report.fmt_measure(r.fastreplay_s, r.rate_unit):>10}  "
+        f"speedup {fmt_ratio(r.speedup):>9}  {'ok' if r.correct else 'WRONG'}"
+    )
+    return line + (f"  (speedup = {r.speedup_definition})" if r.rate_unit else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the selected scenarios, print the table, write JSON, Markdown and PNG into ``--out``."""
     specs = scenario_specs()
-    parser = build_parser(specs)
-    args = parser.parse_args(argv)
+    args = parse_arguments(argv, specs)
     selected = [s.strip() for s in args.only.split(",") if s.strip()]
 
     if args.threads and "NUMBA_NUM_THREADS" not in os.environ:
         os.environ["NUMBA_NUM_THREADS"] = str(args.threads)  # read when numba is imported
     import torch
-
-    from benchmarks import report
 
     torch.manual_seed(args.seed)
     if args.threads:
@@ -655,23 +788,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[Result] = []
     loads: dict[str, dict[str, Any]] = {}
+    not_measured: dict[str, str] = {}
     t0 = time.perf_counter()
-    for name in selected:
-        module = modules[name]
-        print(f"\n== {name}: {module.DESCRIPTION}", flush=True)
-        before = load_snapshot()
-        new = module.run(args)
-        loads[name] = load = load_summary(before, load_snapshot())
-        for r in new:
-            print(
-                f"  {r.case:<52} TorchRL {report.fmt_s(r.torchrl_s):>10}  "
-                f"fastreplay {report.fmt_s(r.fastreplay_s):>10}  "
-                f"speedup {fmt_ratio(r.speedup):>9}  {'ok' if r.correct else 'WRONG'}",
-                flush=True,
-            )
-        state = "BUSY: timings unreliable" if load["busy"] else "quiet"
-        print(f"  machine: {fmt_load(load)} ({state})", flush=True)
-        results.extend(new)
+    with quiet_torchrl_log():
+        for name in selected:
+            module = modules[name]
+            print(f"\n== {name}: {module.DESCRIPTION}", flush=True)
+            before = load_snapshot()
+            try:
+                new = module.run(args)
+            except NotMeasured as why:
+                new, not_measured[name] = [], str(why)
+            else:
+                if not new:
+                    not_measured[name] = "no case ran (see the messages above)"
+            if name in not_measured:  # no timing to distrust: no load verdict either
+                print(f"  not measured: {not_measured[name]}", flush=True)
+                continue
+            loads[name] = load = load_summary(before, load_snapshot())
+            for r in new:
+                print(_case_line(r), flush=True)
+            state = "BUSY: timings unreliable" if load["busy"] else "quiet"
+            print(f"  machine: {fmt_load(load)} ({state})", flush=True)
+            results.extend(new)
     elapsed = time.perf_counter() - t0
 
     payload = {
@@ -682,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "elapsed_s": elapsed,
         "scenarios": loads,
+        "not_measured": not_measured,
         "results": [asdict(r) | {"speedup": r.speedup} for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -692,16 +832,18 @@ def main(argv: list[str] | None = None) -> int:
         print(warning, file=sys.stderr)
     (args.out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
     (args.out / "results.md").write_text(text)
-    plotted = report.plot(
-        results,
-        args.out / "results.png",
-        env=env,
-        loads=loads,
-        descriptions={n: _describe(m) for n, m in modules.items()},
-    )
+    no_plot = report.plot_skip_reason(results, env)
+    if no_plot is None:
+        report.plot(
+            results,
+            args.out / "results.png",
+            env=env,
+            loads=loads,
+            descriptions={n: _describe(m) for n, m in modules.items()},
+        )
     print(
         f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}"
-        + (f", {args.out / 'results.png'}" if plotted else " (no plot: matplotlib missing)")
+        + (f", {args.out / 'results.png'}" if no_plot is None else f" (no plot: {no_plot})")
         + f" in {elapsed:.0f} s"
     )
     wrong = [r for r in results if not r.correct]

@@ -21,7 +21,14 @@ from tensordict import TensorDict
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torchrl.modules import MLP, IndependentNormal, ProbabilisticActor
 
-from benchmarks.harness import interleaved_seconds, median_seconds, parse_count, peak_rss_bytes
+from benchmarks.harness import (
+    interleaved_seconds,
+    median_seconds,
+    non_negative_int,
+    peak_rss_bytes,
+    positive_int,
+    seed_int,
+)
 from fastreplay import chunked_log_prob
 
 
@@ -47,14 +54,18 @@ def make_actor(obs_dim: int, act_dim: int, hidden: int) -> ProbabilisticActor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", choices=["one-shot", "chunked"], required=True)
-    parser.add_argument("--batch", type=parse_count, default=parse_count("100k"))
-    parser.add_argument("--obs-dim", type=int, default=64)
-    parser.add_argument("--act-dim", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--chunk", type=parse_count, default=8192)
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls (0: memory only)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    parser.add_argument("--batch", type=positive_int, default="100k")
+    parser.add_argument("--obs-dim", type=positive_int, default=64)
+    parser.add_argument("--act-dim", type=positive_int, default=8)
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--chunk", type=positive_int, default=8192)
+    parser.add_argument(
+        "--repeats", type=non_negative_int, default=3, help="timed calls (0: memory only)"
+    )
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch threads (0: torch default)"
+    )
     parser.add_argument("--out", help="torch.save the log-probs here (for the answer check)")
     parser.add_argument(
         "--time-both", action="store_true", help="also time both modes, calls interleaved"

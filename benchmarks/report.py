@@ -1,5 +1,7 @@
 """Reports of a benchmark run: the Markdown table, the README block and the plot.
 
+Reads the results types of :mod:`benchmarks.results`; never imports the harness.
+
 The README's results block is written only by :func:`write_readme` (``python -m benchmarks
 --write-readme``), and ``tests/test_benchmarks.py`` checks that it still has the format that
 :func:`report` produces, so the README cannot drift from what the benchmark prints.
@@ -7,12 +9,13 @@ The README's results block is written only by :func:`write_readme` (``python -m 
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Result, fmt_load, fmt_ratio
+from benchmarks.results import Result, fmt_load, fmt_ratio
 
 README_BEGIN = "<!-- benchmark-results:begin (written by python -m benchmarks --write-readme) -->"
 README_END = "<!-- benchmark-results:end -->"
@@ -57,6 +60,44 @@ def parse_seconds(text: str) -> float | None:
     return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
 
 
+def fmt_measure(seconds: float | None, rate_unit: str | None = None) -> str:
+    """A table cell: :func:`fmt_s`, or the throughput ``1 / seconds`` in ``rate_unit``.
+
+    ``fmt_measure(0.0061, "steps/s")`` is ``"163.9 steps/s"``; ``n/a`` where nothing was
+    measured.
+    """
+    if rate_unit is None:
+        return fmt_s(seconds)
+    if seconds is None or not seconds > 0:
+        return "n/a"
+    return f"{1 / seconds:,.1f} {rate_unit}"
+
+
+def parse_measure(text: str) -> float | None:
+    """Inverse of :func:`fmt_measure`: seconds per call (per step for a throughput)."""
+    if text == "n/a":
+        return None
+    value, unit = text.split(maxsplit=1)
+    if unit.endswith("/s"):
+        return 1 / float(value.replace(",", ""))
+    return parse_seconds(text)
+
+
+def speedup_note(results: Iterable[Result]) -> str | None:
+    """What the speedup column divides, where some rows are throughputs; else ``None``."""
+    rates = {r.rate_unit: r.speedup_definition for r in results if r.rate_unit}
+    if not rates:
+        return None
+    scenarios = sorted({r.scenario for r in results if r.rate_unit})
+    note = (
+        f"Rows in {', '.join(rates)} ({', '.join(scenarios)}) are throughputs: their speedup is "
+        f"{'; '.join(rates.values())}."
+    )
+    if any(not r.rate_unit for r in results):
+        note += " The other rows are median times per call: TorchRL time / fastreplay time."
+    return note + " Above 1: fastreplay is faster."
+
+
 def markdown_table(results: list[Result], busy: Mapping[str, bool] | None = None) -> str:
     """Results as a Markdown table; ``busy[scenario]`` marks rows timed on a busy machine."""
     busy = busy or {}
@@ -64,7 +105,8 @@ def markdown_table(results: list[Result], busy: Mapping[str, bool] | None = None
     for r in results:
         machine = "**busy**" if busy.get(r.scenario) else "quiet"
         lines.append(
-            f"| {r.scenario} | {r.case} | {fmt_s(r.torchrl_s)} | {fmt_s(r.fastreplay_s)} "
+            f"| {r.scenario} | {r.case} | {fmt_measure(r.torchrl_s, r.rate_unit)} "
+            f"| {fmt_measure(r.fastreplay_s, r.rate_unit)} "
             f"| {fmt_ratio(r.speedup)} | {'yes' if r.correct else 'NO'} | {machine} |"
         )
     return "\n".join(lines)
@@ -97,6 +139,12 @@ def report(payload: Mapping[str, Any]) -> str:
     if warning:
         lines += [f"> **{warning}**", ""]
     lines.append(markdown_table(results, {n: load["busy"] for n, load in loads.items()}))
+    note = speedup_note(results)
+    if note:
+        lines += ["", note]
+    skipped = payload.get("not_measured") or {}
+    if skipped:
+        lines += [""] + [f"- {name}: not measured: {why}" for name, why in skipped.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -124,6 +172,23 @@ def readme_block(path: Path) -> str:
 # --------------------------------------------------------------------------- plot
 
 
+def plot_skip_reason(results: list[Result], env: Mapping[str, Any] | None = None) -> str | None:
+    """Why :func:`plot` would draw nothing, or ``None`` where it draws.
+
+    The plot shows speedups, so it needs a case timed on both sides, and matplotlib.
+    """
+    if not results:
+        return "nothing was measured"
+    if all(r.speedup is None for r in results):
+        why = "no case has a TorchRL time to compare with"
+        if env is not None and not env.get("torchrl_compiled_extension", True):
+            why += "; TorchRL's compiled extension did not load, so its side was not timed"
+        return why
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed (pip install 'fastreplay[bench]')"
+    return None
+
+
 def plot(
     results: list[Result],
     path: Path,
@@ -132,20 +197,22 @@ def plot(
     loads: Mapping[str, Mapping[str, Any]] | None = None,
     descriptions: Mapping[str, str] | None = None,
 ) -> bool:
-    """Speedup bars from 1x on a log scale, one panel per scenario; False without matplotlib."""
-    try:
-        import matplotlib
+    """Speedup bars from 1x on a log scale, one panel per scenario.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter, NullFormatter
-    except ImportError:
+    Returns:
+        False, writing nothing, where :func:`plot_skip_reason` gives a reason.
+    """
+    if plot_skip_reason(results) is not None:
         return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     loads, descriptions = loads or {}, descriptions or {}
     rows = [r for r in results if r.speedup is not None]
-    if not rows:
-        return False
     scenarios = list(dict.fromkeys(r.scenario for r in rows))
     per = {s: [r for r in rows if r.scenario == s] for s in scenarios}
     colors = {"faster": "#2a9d8f", "parity": "#9e9e9e", "slower": "#e76f51"}
@@ -208,11 +275,15 @@ def plot(
                 clip_on=True,
             )
         title = textwrap.shorten(f"{scenario}: {descriptions.get(scenario, '')}", 110)
+        rates = {r.speedup_definition for r in items if r.rate_unit}
+        if rates:
+            title += f"\nspeedup = {'; '.join(sorted(rates))}"
         if busy:
             title += f"\nBUSY machine ({fmt_load(loads[scenario])}): timings unreliable"
         ax.set_title(title, fontsize=9, loc="left", color="#b00020" if busy else "black")
     axes[-1, 0].set_xlabel(
-        "speedup = TorchRL time / fastreplay time (log scale; right of 1x: fastreplay faster)",
+        "speedup = TorchRL time / fastreplay time, or for a throughput fastreplay's / TorchRL's "
+        "(log scale; right of 1x: fastreplay faster)",
         fontsize=9,
     )
     handles = [

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import itertools
 import json
+import logging
 import os
 import re
 import subprocess
@@ -17,6 +19,7 @@ import torch
 from benchmarks import harness, report
 from benchmarks.harness import (
     CountError,
+    NotMeasured,
     Result,
     build_parser,
     fmt_ratio,
@@ -26,6 +29,7 @@ from benchmarks.harness import (
     load_snapshot,
     load_summary,
     main,
+    parse_arguments,
     parse_count,
     parse_counts,
     ratio,
@@ -57,7 +61,12 @@ def test_help_does_not_import_torch_and_shows_every_default() -> None:
         "print('HEAVY', heavy)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout, done.stdout[-500:]
@@ -103,6 +112,18 @@ def test_scenario_options_read_from_source_match_the_imported_modules() -> None:
         assert options(spec.add_arguments) == options(module.add_arguments), name
 
 
+@pytest.fixture
+def _no_benchmark(monkeypatch):
+    """Fail (instead of running for minutes) if the command line goes past its checks."""
+
+    def ran(*_args, **_kwargs):
+        raise AssertionError("a benchmark started: the arguments were not refused")
+
+    monkeypatch.setattr(harness, "environment", ran)
+    monkeypatch.setattr(harness, "load_snapshot", ran)
+
+
+@pytest.mark.usefixtures("_no_benchmark")
 @pytest.mark.parametrize(
     ("argv", "flag", "shown"),
     [
@@ -116,6 +137,43 @@ def test_scenario_options_read_from_source_match_the_imported_modules() -> None:
         (["--only", "slice,nope"], "--only", "'slice,nope': give a comma-separated list"),
         (["--end", "done,flag"], "--end", "give a comma-separated list of done, traj"),
         (["--pin-shape", "84x84xRGB"], "--pin-shape", "HxWxC"),
+        # sizes <= 0
+        (["--episode-len", "0"], "--episode-len", "'0': every count must be at least 1, got 0"),
+        (["--episode-len", "1000,0"], "--episode-len", "must be at least 1, got 0"),
+        (["--per-capacity", "0"], "--per-capacity", "'0': every count must be at least 1"),
+        (["--per-dumps-capacity", "0"], "--per-dumps-capacity", "must be at least 1"),
+        (["--capacity", "0"], "--capacity", "'0': must be at least 1"),
+        (["--stored", "0"], "--stored", "'0': must be at least 1"),
+        (["--num-slices", "0"], "--num-slices", "'0': must be at least 1"),
+        (["--ppo-batch", "0"], "--ppo-batch", "'0': must be at least 1"),
+        (["--ppo-chunk", "0"], "--ppo-chunk", "'0': must be at least 1"),
+        (["--pin-batch", "0"], "--pin-batch", "'0': must be at least 1"),
+        (["--pin-size", "0"], "--pin-size", "'0': must be at least 1"),
+        (["--pslice-stored", "0"], "--pslice-stored", "must be at least 1"),
+        (["--pslice-capacity", "0"], "--pslice-capacity", "'0': must be at least 1"),
+        (["--swor-stored", "1M,0"], "--swor-stored", "must be at least 1, got 0"),
+        (["--swor-capacity", "0"], "--swor-capacity", "'0': must be at least 1"),
+        (["--scale-writers", "0"], "--scale-writers", "'0': every count must be at least 1"),
+        (["--scale-capacity", "0"], "--scale-capacity", "'0': must be at least 1"),
+        (["--scale-capacity", "1M,2M"], "--scale-capacity", "'1M,2M' is not a count"),
+        (["--scale-slice-stored", "0"], "--scale-slice-stored", "must be at least 1"),
+        (["--scale-episode", "0"], "--scale-episode", "'0': must be at least 1"),
+        (["--scale-batch", "0"], "--scale-batch", "'0': must be at least 1"),
+        (["--scale-write-rate", "-5"], "--scale-write-rate", "'-5' is not a count"),
+        (["--scale-seconds", "-1"], "--scale-seconds", "'-1': give a number of seconds above 0"),
+        (["--scale-seconds", "0"], "--scale-seconds", "'0': give a number of seconds above 0"),
+        (["--scale-seconds", "nan"], "--scale-seconds", "'nan': give a number of seconds"),
+        (["--scale-seconds", "inf"], "--scale-seconds", "'inf': give a number of seconds"),
+        (["--scale-slices", "256"], "--scale-slices", "'256': write the slice batch as SLICESx"),
+        (["--scale-slices", "0x32"], "--scale-slices", "both at least 1"),
+        (["--seed", str(2**64)], "--seed", "a seed must be below 2**64"),
+        # lists with unknown or repeated names
+        (["--scale-kinds", "bogus"], "--scale-kinds", "'bogus': give a comma-separated list of"),
+        (["--scale-kinds", "slice,slice"], "--scale-kinds", "slice listed twice"),
+        (["--per-backends", "numba,cuda"], "--per-backends", "list of numba, torch"),
+        (["--only", "slice,slice"], "--only", "slice listed twice"),
+        (["--end", "done,done"], "--end", "done listed twice"),
+        (["--episode-len", "50,50"], "--episode-len", "50 listed twice"),
     ],
 )
 def test_bad_values_are_argparse_errors(argv, flag, shown, capsys) -> None:
@@ -127,8 +185,120 @@ def test_bad_values_are_argparse_errors(argv, flag, shown, capsys) -> None:
     assert "Traceback" not in err
 
 
+@pytest.mark.usefixtures("_no_benchmark")
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["--stored", "10M", "--capacity", "6M"], "--stored 10M exceeds --capacity 6M"),
+        (["--slice-len", "64", "--episode-len", "1000,50"], "--slice-len 64 is longer than"),
+        (["--stored", "10", "--capacity", "100"], "--slice-len 32 is longer than --stored 10"),
+        (["--per-capacity", "1M,1"], "--per-capacity 1M,1: 'lower the max item'"),
+        (
+            ["--pslice-stored", "5M", "--pslice-capacity", "1M"],
+            "--pslice-stored 5M exceeds --pslice-capacity 1M",
+        ),
+        (["--pslice-episode-len", "16"], "--pslice-slice-len 32 is longer than --pslice-episode"),
+        (["--pslice-stored", "20"], "--pslice-slice-len 32 is longer than the smallest"),
+        (["--swor-stored", "2M", "--swor-capacity", "1M"], "--swor-stored 2M exceeds"),
+        (["--swor-episode-len", "10"], "--swor-episode-len 10 is shorter than --swor-slice-len"),
+        (  # every size refused: the largest one's reason
+            ["--swor-stored", "1k,100k"],
+            "100k items stored (capacity 120k) hold 100 episodes of 1000 steps, fewer than "
+            "--swor-num-slices 256",
+        ),
+        (["--scale-slices", "256x2000"], "--scale-slices 256x2000: slices of 2000 steps are"),
+        (["--scale-slice-stored", "7M"], "--scale-slice-stored 7M exceeds --scale-slice-capac"),
+        (["--scale-episode", "20000"], "--scale-episode 20000: at most 10000"),
+        (["--out", __file__], f"--out {__file__}: is a file; pass a folder"),
+    ],
+)
+def test_values_that_do_not_fit_together_are_usage_errors(argv, shown, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {shown}" in err or f"\n{shown}" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.usefixtures("_no_benchmark")
+def test_every_problem_is_listed_at_once(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--stored", "10M", "--capacity", "6M", "--scale-slices", "8x2000"])
+    err = capsys.readouterr().err
+    assert "--stored 10M exceeds" in err and "--scale-slices 8x2000" in err
+
+
+@pytest.mark.parametrize("argv", [["--stored", "10M", "--capacity", "6M"], ["--per-capacity", "0"]])
+def test_command_line_refuses_bad_values_before_importing_torch(argv) -> None:
+    code = (
+        "import sys\n"
+        "from benchmarks import harness\n"
+        "def ran(*args):\n"
+        "    raise SystemExit('a benchmark started')\n"
+        "harness.environment = ran\n"
+        "try:\n"
+        f"    harness.main({argv!r})\n"
+        "except SystemExit as exit:\n"
+        "    print('EXIT', exit.code)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "EXIT 2" in done.stdout and "TORCH False" in done.stdout, done.stdout + done.stderr
+    assert argv[0] in done.stderr and argv[1] in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_every_option_has_a_checking_type_and_the_defaults_pass() -> None:
+    specs = scenario_specs()
+    parser = build_parser(specs)
+    for action in parser._actions:
+        if action.nargs == 0:  # --help, flags
+            continue
+        assert action.type is not None, f"{action.option_strings[0]} takes any value"
+    args = parser.parse_args([])
+    checked = {name for name, spec in specs.items() if spec.check_arguments is not None}
+    assert {"slice", "prioritized", "prioritized_slice", "slice_without_replacement"} <= checked
+    assert {"scale-out"} <= checked
+    for name in checked:
+        assert specs[name].check_arguments(args) == [], name
+
+
+def test_argument_checks_are_read_from_source_without_importing_the_scenarios() -> None:
+    for path in sorted(harness.SCENARIO_DIR.glob("[!_]*.py")):
+        module = f"benchmarks.scenarios.{path.stem}"
+        spec = harness._spec_from_source(module, path)  # no LookupError: nothing left out
+        has_check = hasattr(importlib.import_module(module), "check_arguments")
+        assert (spec.check_arguments is not None) == has_check, path.name
+
+
+def test_a_check_needing_a_name_left_out_makes_the_harness_import_the_module(tmp_path) -> None:
+    source = tmp_path / "fake.py"
+    source.write_text(
+        "import torch\n"
+        "NAME = 'fake'\n"
+        "DESCRIPTION = 'a fake scenario'\n"
+        "LIMIT = 1 << 4\n"  # not a literal: left out when read from source
+        "def add_arguments(group):\n"
+        "    group.add_argument('--fake', type=int, default=1, help='x')\n"
+        "def _limit():\n"
+        "    return LIMIT\n"
+        "def check_arguments(args):\n"
+        "    return [] if args.fake <= _limit() else ['too big']\n"
+    )
+    with pytest.raises(LookupError, match=r"check_arguments needs \['LIMIT'\]"):
+        harness._spec_from_source("fake", source)
+
+
 def test_good_values_parse() -> None:
-    args = build_parser(scenario_specs()).parse_args(
+    args = parse_arguments(
         ["--capacity", "600M", "--per-capacity", "1M,10M", "--threads", "0", "--only", "slice"]
     )
     assert (args.capacity, args.per_capacity, args.threads) == ("600M", "1M,10M", 0)
@@ -291,13 +461,14 @@ def _check_block(block: str) -> None:
         scenario, _case, torchrl, fast, speedup, correct, machine = cells
         assert scenario in specs and correct == "yes" and machine in ("quiet", "**busy**"), row
         busy_rows += machine == "**busy**"
-        t_torchrl, t_fast = report.parse_seconds(torchrl), report.parse_seconds(fast)
+        t_torchrl, t_fast = report.parse_measure(torchrl), report.parse_measure(fast)
         if t_torchrl is None:
             assert speedup == "n/a"
             continue
         shown = float(speedup.rstrip("x").replace(",", ""))
-        # the times are rounded to 3 significant digits, the speedup to 0.1
+        # the times are rounded to 3 significant digits (throughputs to 0.1), the speedup to 0.1
         assert shown == pytest.approx(t_torchrl / t_fast, rel=0.02, abs=0.051), row
+        assert ("/s" in torchrl) == ("/s" in fast), row
     assert ("WARNING: the machine was busy" in block) == (busy_rows > 0)
 
 
@@ -305,6 +476,35 @@ def test_report_format_check_accepts_what_report_writes() -> None:
     payload = _payload()
     payload["command"] += " --write-readme"
     _check_block(report.report(payload))
+    payload["results"].append(asdict_result(_throughput_row()))
+    payload["scenarios"]["scale-out"] = payload["scenarios"]["slice"]
+    _check_block(report.report(payload))
+
+
+def asdict_result(r: Result) -> dict:
+    return vars(r) | {"speedup": r.speedup}
+
+
+def _throughput_row() -> Result:
+    return Result(
+        "scale-out", "slice 1 writer, 6M/5M", 1 / 164.0, 1 / 168.0, True, rate_unit="steps/s"
+    )
+
+
+def test_throughput_rows_show_steps_per_s_and_their_ratio() -> None:
+    """One measure per row: the cells and the speedup of a throughput row both use steps/s."""
+    row = _throughput_row()
+    assert row.speedup == pytest.approx(164.0 / 168.0)
+    assert row.speedup_definition == "fastreplay steps/s / TorchRL steps/s"
+    table = report.markdown_table([row])
+    assert "| scale-out | slice 1 writer, 6M/5M | 168.0 steps/s | 164.0 steps/s | 1.0x |" in table
+    payload = _payload()
+    payload["results"].append(asdict_result(row))
+    payload["scenarios"]["scale-out"] = payload["scenarios"]["slice"]
+    text = report.report(payload)
+    assert "speedup is fastreplay steps/s / TorchRL steps/s" in text
+    assert "other rows are median times per call: TorchRL time / fastreplay time" in text
+    assert report.parse_measure("1,234.5 steps/s") == pytest.approx(1 / 1234.5)
 
 
 def test_readme_results_block_is_what_the_benchmark_writes() -> None:
@@ -375,3 +575,172 @@ def test_times_keep_three_significant_digits() -> None:
     assert report.fmt_s(135.4e-6) == "135 us"
     for seconds in (3.21e-6, 19.55e-6, 412.7e-6, 2.013e-3, 1.204):
         assert report.parse_seconds(report.fmt_s(seconds)) == pytest.approx(seconds, rel=5e-3)
+
+
+# --------------------------------------------------------------------------- what the run prints
+
+
+def _scale_case(steps_per_s: float, median_step_s: float) -> dict:
+    return {
+        "median_step_s": median_step_s,
+        "mean_step_s": 1 / steps_per_s,
+        "steps_per_s": steps_per_s,
+        "items_written_per_s": 1000.0,
+        "invalid_samples": 0,
+        "steps": 100,
+        "writers_ok": True,
+    }
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_scale_out_speedup_is_the_ratio_of_the_steps_per_s_it_prints(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """164 vs 168 steps/s is 1.0x, whatever the median steps (here 3.9 vs 3.1 ms) say."""
+    from benchmarks.scenarios import scale_out
+
+    cases = {"fastreplay": _scale_case(164.0, 3.9e-3), "torchrl": _scale_case(168.0, 3.1e-3)}
+    monkeypatch.setattr(scale_out, "_run_case", lambda lib, *_: cases[lib])
+    argv = ["--only", "scale-out", "--scale-kinds", "slice", "--scale-writers", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "fastreplay: learner    164.0 steps/s" in out and "learner    168.0 steps/s" in out
+    line = next(x for x in out.splitlines() if x.startswith("  slice 2 writers") and "speedup" in x)
+    assert "TorchRL 168.0 steps/s" in line and "fastreplay 164.0 steps/s" in line
+    assert re.search(r"speedup +1\.0x  ok", line), line
+    assert "(speedup = fastreplay steps/s / TorchRL steps/s)" in line
+    assert "| 168.0 steps/s | 164.0 steps/s | 1.0x |" in out
+    (row,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert row["speedup"] == pytest.approx(164 / 168) and row["rate_unit"] == "steps/s"
+    assert row["extra"]["fastreplay_median_step_s"] == 3.9e-3  # kept beside the throughput
+
+
+def _fake_pin(monkeypatch, run) -> None:
+    from benchmarks.scenarios import pin
+
+    monkeypatch.setattr(pin, "run", run)
+
+
+def _busy(monkeypatch) -> None:
+    real = harness.load_summary
+    monkeypatch.setattr(harness, "load_summary", lambda a, b: real(a, b) | {"busy": True})
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_a_scenario_that_measured_nothing_says_why_and_is_never_busy(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    def run(args):
+        raise NotMeasured("no CUDA device, so there is no host-to-device copy to time")
+
+    _fake_pin(monkeypatch, run)
+    _busy(monkeypatch)
+    assert main(["--only", "pin", "--out", str(tmp_path)]) == 1  # no results at all
+    captured = capsys.readouterr()
+    section = captured.out.split("== pin:", 1)[1]
+    assert "not measured: no CUDA device, so there is no host-to-device copy to time" in section
+    assert "BUSY" not in section and "busy" not in captured.err
+    assert "(no plot: nothing was measured)" in captured.out
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["scenarios"] == {} and "no CUDA device" in payload["not_measured"]["pin"]
+    assert "- pin: not measured: no CUDA device" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_a_scenario_returning_no_case_is_not_measured_either(tmp_path, capsys, monkeypatch):
+    _fake_pin(monkeypatch, lambda args: [])
+    _busy(monkeypatch)
+    assert main(["--only", "pin", "--out", str(tmp_path)]) == 1
+    section = capsys.readouterr().out.split("== pin:", 1)[1]
+    assert "not measured: no case ran" in section and "BUSY" not in section
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_no_plot_gives_the_true_reason(tmp_path, capsys, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    _fake_pin(monkeypatch, lambda args: [Result("pin", "fastreplay only", 1e-3, None, True)])
+    assert main(["--only", "pin", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(no plot: no case has a TorchRL time to compare with" in out
+    assert "matplotlib" not in out and not (tmp_path / "results.png").exists()
+
+
+def test_plot_skip_reason() -> None:
+    both = Result("slice", "x", 1.0, 2.0, True)
+    only = Result("prioritized", "y", 1.0, None, True)
+    assert report.plot_skip_reason([]) == "nothing was measured"
+    assert report.plot_skip_reason([only]).startswith("no case has a TorchRL time")
+    no_ext = report.plot_skip_reason([only], {"torchrl_compiled_extension": False})
+    assert "TorchRL's compiled extension did not load" in no_ext
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in report.plot_skip_reason([both, only])
+    else:
+        assert report.plot_skip_reason([both, only]) is None
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_redirected_output_has_no_torchrl_info_lines_nor_progress_bars(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """capsys streams are not terminals, as when the output goes to a file."""
+    monkeypatch.delenv("RL_LOGGING_LEVEL", raising=False)
+    monkeypatch.setattr(harness, "PLAIN_PROGRESS_EVERY_S", 0.0)
+    logger = logging.getLogger("torchrl")
+    seen = []
+
+    def run(args):
+        seen.append(logger.isEnabledFor(logging.INFO))
+        with harness.progress(10, "fill 10") as advance:
+            advance(5)
+            advance(5)
+        return [Result("pin", "x", 1e-3, 2e-3, True)]
+
+    _fake_pin(monkeypatch, run)
+    level = logger.level
+    assert main(["--only", "pin", "--out", str(tmp_path)]) == 0
+    assert seen == [False] and logger.level == level  # silenced while running, then restored
+    err = capsys.readouterr().err
+    assert "\r" not in err and "fill 10: 50% after 0 s\nfill 10: 100% after 0 s\n" in err
+
+
+def test_progress_prints_nothing_for_a_short_fill_when_redirected(capsys) -> None:
+    with harness.progress(10, "fill 10") as advance:
+        advance(10)
+    assert capsys.readouterr().err == ""
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``benchmarks`` module ``path`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.startswith("benchmarks")}
+    return found
+
+
+def test_benchmark_modules_import_no_circle() -> None:
+    root = REPO / "benchmarks"
+    modules = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in root.rglob("*.py")
+    }
+    graph = {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+    assert graph["benchmarks.report"] >= {"benchmarks.results"}
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            assert state.get(dep) != "open", " -> ".join([*path, module, dep])
+            if dep not in state:
+                visit(dep, [*path, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])

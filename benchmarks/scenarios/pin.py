@@ -1,6 +1,6 @@
 """Host-to-device delivery of a sample: fastreplay's pinned buffer vs TorchRL's.
 
-Only meaningful with CUDA: without it this scenario prints a note and returns no results.
+Only meaningful with CUDA: without it the scenario is reported as not measured, with the reason.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
-from benchmarks.harness import Result, interleaved_seconds, parse_count
+from benchmarks.harness import NotMeasured, Result, interleaved_seconds, positive_int
 from fastreplay import TensorDictReplayBuffer
 
 NAME = "pin"
@@ -20,8 +20,8 @@ DESCRIPTION = "sample + copy to CUDA of uint8 pixel batches (needs CUDA; skipped
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--pin-batch", type=parse_count, default=256, help="samples per batch")
-    group.add_argument("--pin-size", type=parse_count, default=2048, help="items stored")
+    group.add_argument("--pin-batch", type=positive_int, default=256, help="samples per batch")
+    group.add_argument("--pin-size", type=positive_int, default=2048, help="items stored")
     group.add_argument(
         "--pin-shape", type=_shape, default="84x84x3", help="uint8 pixel shape per item, HxWxC"
     )
@@ -40,8 +40,7 @@ def _device_transform(td: TensorDict) -> TensorDict:
 
 def run(args: argparse.Namespace) -> list[Result]:
     if not torch.cuda.is_available():
-        print("  no CUDA device: pinned-memory copies cannot be measured here (no results)")
-        return []
+        raise NotMeasured("no CUDA device, so there is no host-to-device copy to time")
     shape = tuple(int(s) for s in args.pin_shape.split("x"))
     n, batch = args.pin_size, args.pin_batch
     gen = torch.Generator().manual_seed(args.seed)

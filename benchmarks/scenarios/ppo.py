@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Result, fmt_count, fmt_ratio, non_negative_int, parse_count, ratio
+from benchmarks.harness import (
+    Result,
+    fmt_count,
+    fmt_ratio,
+    non_negative_int,
+    positive_int,
+    ratio,
+)
 
 NAME = "ppo"
 DESCRIPTION = "PPO old log-probs, 2x256 MLP policy, obs dim 64: peak RSS and time"
@@ -30,12 +37,12 @@ _ROOT = Path(__file__).resolve().parents[2]
 def add_arguments(group) -> None:
     group.add_argument(
         "--ppo-batch",
-        type=parse_count,
-        default=parse_count("100k"),
+        type=positive_int,
+        default="100k",
         help="observations per batch (1M shows the memory gap best)",
     )
     group.add_argument(
-        "--ppo-chunk", type=parse_count, default=8192, help="chunk_size of chunked_log_prob"
+        "--ppo-chunk", type=positive_int, default=8192, help="chunk_size of chunked_log_prob"
     )
     group.add_argument(
         "--ppo-threads",

@@ -25,6 +25,7 @@ brute-force max, and sampled weights are finite.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import shutil
 import tempfile
@@ -74,6 +75,25 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         default="1M",
         help="capacities for dumps+loads, comma-separated",
     )
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Values the cases cannot run with."""
+    problems = []
+    small = [n for n in parse_counts(args.per_capacity) if n < 2]
+    if small:
+        problems.append(
+            f"--per-capacity {args.per_capacity}: 'lower the max item' moves the max below a "
+            "second item, so every capacity must be at least 2"
+        )
+    chosen = (args.per_backends or "").split(",")
+    selected = NAME in {t.strip() for t in args.only.split(",")}
+    if selected and "numba" in chosen and importlib.util.find_spec("numba") is None:
+        problems.append(
+            f"--per-backends {args.per_backends}: numba is not installed (pip install "
+            "'fastreplay[fast]'); pass --per-backends torch"
+        )
+    return problems
 
 
 def _torchrl_ok() -> bool:

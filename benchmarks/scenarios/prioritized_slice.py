@@ -25,13 +25,15 @@ from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampl
 
 from benchmarks.harness import (
     Result,
+    check_sizes,
     count_text,
     counts_text,
     fmt_count,
     interleaved_seconds,
-    parse_count,
+    non_negative_int,
     positive_int,
     progress,
+    sizes_and_capacity,
 )
 from fastreplay import PrioritizedSliceSampler
 
@@ -65,10 +67,22 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pslice-slice-len", type=positive_int, default=32, help="steps per slice")
     group.add_argument(
         "--pslice-skip-torchrl-online-above",
-        type=count_text,
+        type=non_negative_int,
         default="60M",
         help="time TorchRL's online step only up to this many stored items",
     )
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Values that do not fit together (the sampler's slices are strict: full length)."""
+    ep, slice_len = args.pslice_episode_len, args.pslice_slice_len
+    problems = check_sizes("pslice", args.pslice_stored, args.pslice_capacity, slice_len)
+    if slice_len > ep:
+        problems.append(
+            f"--pslice-slice-len {slice_len} is longer than --pslice-episode-len {ep}: no "
+            "episode holds a whole slice; pass a longer episode or a shorter slice"
+        )
+    return problems
 
 
 def interleaved_medians(fns: list[Callable[[], object]], repeats: list[int]) -> list[float]:
@@ -105,8 +119,7 @@ def run_sizes(
 
     ``capacity`` defaults to 1.2x the largest size, so every size shares one capacity.
     """
-    sizes = [parse_count(s) for s in stored.split(",") if s.strip()]
-    slots = parse_count(capacity) if capacity else int(1.2 * max(sizes))
+    sizes, slots = sizes_and_capacity(stored, capacity)
     results = []
     for size in sizes:
         results.extend(run_size(size, slots))
@@ -166,7 +179,7 @@ def _run_size(args: argparse.Namespace, stored: int, capacity: int) -> list[Resu
     correct &= _slices_ok(storages[0], idx_f, info_f) and _slices_ok(storages[1], idx_t, info_t)
     fns = [lambda: _online_step(buffers[0], fast, offsets[0], batch, ep)]
     repeats = [25]
-    if stored <= parse_count(args.pslice_skip_torchrl_online_above):
+    if stored <= args.pslice_skip_torchrl_online_above:
         fns.append(lambda: _online_step(buffers[1], ref, offsets[1], batch, ep))
         repeats.append(max(3, min(args.repeats, 7)))
     medians = interleaved_medians(fns, repeats)

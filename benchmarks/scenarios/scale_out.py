@@ -9,11 +9,17 @@ TorchRL's collector topology: the learner builds a ``shared=True`` buffer on
 * ``slice``: ``TensorDictReplayBuffer`` + ``SliceSampler`` (``traj_key``); a learner step is
   ``sample``. ``--scale-slice-stored`` items prefilled in ``--scale-slice-capacity``.
 
-Reported per case: the median learner step (the table's times), learner steps/s, items
-written/s by all writers together, and invalid samples (a row nobody wrote, ``obs`` not
+Reported per case: learner throughput in steps/s (learner steps / seconds spent in them, that
+is 1 / the mean step; the sample checks between steps are not counted), which the table shows,
+with speedup = fastreplay steps/s / TorchRL steps/s; the median step (``results.json``); items
+written/s by all writers together; and invalid samples (a row nobody wrote, ``obs`` not
 matching its trajectory, a slice crossing episodes): ``correct`` means zero on both sides.
 With ``--scale-ray`` the same workload also runs through ``RayReplayBuffer`` (writer tasks,
 the learner is the driver) for fastreplay's buffers, without a TorchRL comparison.
+
+Rows are tagged: writer ``w`` writes trajectory ids ``w * 10**9 + episode``, the prefill is
+written as the writer after the last one, and ``obs = traj * 10_000 + step in the episode``
+(so episodes are at most 10,000 steps long).
 """
 
 from __future__ import annotations
@@ -31,27 +37,68 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
-from benchmarks.harness import Result, fmt_count, parse_count, parse_counts, progress
+from benchmarks.harness import (
+    Result,
+    choice_list,
+    count_text,
+    counts_text,
+    fmt_count,
+    non_negative_int,
+    parse_count,
+    parse_counts,
+    positive_int,
+    positive_seconds,
+    progress,
+)
 
 NAME = "scale-out"
 DESCRIPTION = "N writer processes x 1 learner on a shared memmap storage (and Ray)"
 ALPHA, BETA = 0.7, 0.5
 _PREFILL_CHUNK = 1 << 20
+_TRAJ_STRIDE = 1_000_000_000  # trajectory ids of one writer: writer * stride + episode
+_STEP_LIMIT = 10_000  # obs = traj * _STEP_LIMIT + step in the episode
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--scale-writers", default="1,2,4", help="writer process counts")
-    group.add_argument("--scale-kinds", default="prioritized,slice", help="prioritized,slice")
-    group.add_argument("--scale-capacity", default="1M", help="prioritized: capacity (full)")
-    group.add_argument("--scale-slice-capacity", default="6M", help="slice: capacity")
-    group.add_argument("--scale-slice-stored", default="5M", help="slice: items prefilled")
-    group.add_argument("--scale-episode", type=parse_count, default=1000, help="episode length")
-    group.add_argument("--scale-seconds", type=float, default=5.0, help="seconds per case")
-    group.add_argument("--scale-batch", type=int, default=256, help="prioritized batch size")
-    group.add_argument("--scale-slices", default="256x32", help="slice batch: slices x length")
+    group.add_argument(
+        "--scale-writers", type=counts_text, default="1,2,4", help="writer process counts"
+    )
+    group.add_argument(
+        "--scale-kinds",
+        type=choice_list("prioritized", "slice"),
+        default="prioritized,slice",
+        help="learners to run, comma-separated: prioritized, slice",
+    )
+    group.add_argument(
+        "--scale-capacity", type=count_text, default="1M", help="prioritized: capacity (full)"
+    )
+    group.add_argument(
+        "--scale-slice-capacity", type=count_text, default="6M", help="slice: capacity"
+    )
+    group.add_argument(
+        "--scale-slice-stored", type=count_text, default="5M", help="slice: items prefilled"
+    )
+    group.add_argument(
+        "--scale-episode",
+        type=positive_int,
+        default=1000,
+        help=f"episode length, at most {_STEP_LIMIT:,}",
+    )
+    group.add_argument(
+        "--scale-seconds", type=positive_seconds, default=5.0, help="seconds per case"
+    )
+    group.add_argument(
+        "--scale-batch", type=positive_int, default=256, help="prioritized batch size"
+    )
+    group.add_argument(
+        "--scale-slices",
+        type=_slices_text,
+        default="256x32",
+        help="slice batch: SLICESxLENGTH, the length at most --scale-episode",
+    )
     group.add_argument(
         "--scale-write-rate",
-        type=parse_count,
+        type=non_negative_int,
         default=0,
         help="items/s per writer (default 0: as fast as the writer can)",
     )
@@ -60,13 +107,64 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _slices_text(text: str) -> str:
+    """Argparse ``type=``: ``SLICESxLENGTH`` (``256x32``), both at least 1; kept as written."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write the slice batch as SLICESxLENGTH, both at least 1 (e.g. 256x32: "
+            "256 slices of 32 steps)"
+        )
+    return text
+
+
+def _slices(text: str) -> tuple[int, int]:
+    """``"256x32"`` -> ``(256, 32)``: slices per batch and steps per slice."""
+    num_slices, slice_len = (int(x) for x in text.split("x"))
+    return num_slices, slice_len
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Values that do not fit together."""
+    problems = []
+    episode, (_, slice_len) = args.scale_episode, _slices(args.scale_slices)
+    capacity, stored = parse_count(args.scale_slice_capacity), parse_count(args.scale_slice_stored)
+    if episode > _STEP_LIMIT:
+        problems.append(
+            f"--scale-episode {episode}: at most {_STEP_LIMIT} (each row's obs encodes its step "
+            "in the episode below that, and every sample is checked against it)"
+        )
+    if slice_len > episode:
+        problems.append(
+            f"--scale-slices {args.scale_slices}: slices of {slice_len} steps are longer than "
+            f"the episodes (--scale-episode {episode}); pass a length of at most {episode}"
+        )
+    if stored > capacity:
+        problems.append(
+            f"--scale-slice-stored {args.scale_slice_stored} exceeds --scale-slice-capacity "
+            f"{args.scale_slice_capacity}: prefill at most the capacity"
+        )
+    if slice_len > stored:
+        problems.append(
+            f"--scale-slices {args.scale_slices}: slices of {slice_len} steps are longer than "
+            f"the prefill (--scale-slice-stored {args.scale_slice_stored})"
+        )
+    prefill = max(stored, parse_count(args.scale_capacity))
+    if prefill // episode >= _TRAJ_STRIDE:
+        problems.append(
+            f"--scale-episode {episode}: a prefill of {fmt_count(prefill)} items makes more than "
+            f"{_TRAJ_STRIDE:,} episodes; pass longer episodes"
+        )
+    return problems
+
+
 def _episodes(writer: int, first_step: int, n: int, episode: int) -> TensorDict:
     """``n`` steps from global step ``first_step`` of ``writer``: obs = traj * 10_000 + step."""
     steps = torch.arange(first_step, first_step + n)
-    traj = writer * 10_000_000 + steps // episode
+    traj = writer * _TRAJ_STRIDE + steps // episode
     return TensorDict(
         traj=traj,
-        obs=traj * 10_000 + steps % episode,
+        obs=traj * _STEP_LIMIT + steps % episode,
         written=torch.ones(n, dtype=torch.bool),
         batch_size=[n],
     )
@@ -74,7 +172,7 @@ def _episodes(writer: int, first_step: int, n: int, episode: int) -> TensorDict:
 
 def _invalid(sample: TensorDict, slices: int | None) -> bool:
     obs, traj = sample["obs"].reshape(-1), sample["traj"].reshape(-1)
-    bad = not bool(sample["written"].all()) or not torch.equal(obs // 10_000, traj)
+    bad = not bool(sample["written"].all()) or not torch.equal(obs // _STEP_LIMIT, traj)
     if slices and not bad:
         rows = obs.view(slices, -1)
         bad = not bool((rows[:, 1:] - rows[:, :-1] == 1).all())
@@ -88,7 +186,7 @@ def _build(module: Any, kind: str, capacity: int, args: argparse.Namespace) -> A
             alpha=ALPHA, beta=BETA, storage=storage, batch_size=args.scale_batch,
             shared=True, sync=False,
         )  # fmt: skip
-    num_slices, slice_len = (int(x) for x in args.scale_slices.split("x"))
+    num_slices, slice_len = _slices(args.scale_slices)
     return module.TensorDictReplayBuffer(
         storage=storage,
         sampler=module.SliceSampler(num_slices=num_slices, traj_key="traj"),
@@ -113,7 +211,7 @@ def _writer_loop(
 def _learner_step(rb: Any, kind: str) -> TensorDict:
     sample = rb.sample()
     if kind == "prioritized":
-        sample["td_error"] = (sample["obs"] % 10_000).float() / 1_000 + 0.01
+        sample["td_error"] = (sample["obs"] % _STEP_LIMIT).float() / 1_000 + 0.01
         rb.update_tensordict_priority(sample)
     return sample
 
@@ -136,7 +234,7 @@ def _run_case(lib: str, kind: str, writers: int, args: argparse.Namespace) -> di
     with progress(stored, f"{lib} {kind}: prefill {fmt_count(stored)}") as advance:
         for lo in range(0, stored, _PREFILL_CHUNK):
             n = min(_PREFILL_CHUNK, stored - lo)
-            rb.extend(_episodes(99, lo, n, args.scale_episode))
+            rb.extend(_episodes(writers, lo, n, args.scale_episode))  # after the writers' ids
             advance(n)
     _learner_step(rb, kind)  # first sample: builds what it builds (untimed)
     ctx = multiprocessing.get_context("fork")
@@ -165,6 +263,7 @@ def _run_case(lib: str, kind: str, writers: int, args: argparse.Namespace) -> di
         storage.cleanup()
     return {
         "median_step_s": statistics.median(times) if times else float("nan"),
+        "mean_step_s": statistics.fmean(times) if times else float("nan"),
         "steps_per_s": len(times) / sum(times) if times else 0.0,
         "items_written_per_s": written / elapsed,
         "invalid_samples": invalid,
@@ -177,8 +276,11 @@ def _sizes(kind: str, args: argparse.Namespace) -> tuple[int, int, int | None]:
     if kind == "prioritized":
         capacity = parse_count(args.scale_capacity)
         return capacity, capacity, None
-    slices = int(args.scale_slices.split("x")[0])
-    return parse_count(args.scale_slice_capacity), parse_count(args.scale_slice_stored), slices
+    return (
+        parse_count(args.scale_slice_capacity),
+        parse_count(args.scale_slice_stored),
+        _slices(args.scale_slices)[0],
+    )
 
 
 def _torchrl_per_ok() -> bool:
@@ -209,15 +311,16 @@ def run(args: argparse.Namespace) -> list[Result]:
             if args.scale_write_rate:
                 case += f", {fmt_count(args.scale_write_rate)} items/s each"
             extra = {f"{lib}_{key}": value for lib, o in out.items() for key, value in o.items()}
-            results.append(
+            results.append(  # times: the mean step, so the speedup is the steps/s ratio
                 Result(
                     NAME,
                     case,
-                    fast["median_step_s"],
-                    base["median_step_s"] if base else None,
+                    fast["mean_step_s"],
+                    base["mean_step_s"] if base else None,
                     correct,
                     {"kind": kind, "writers": writers, "capacity": capacity, "stored": stored},
                     extra,
+                    rate_unit="steps/s",
                 )
             )
             for lib, o in out.items():
@@ -255,7 +358,7 @@ def _run_ray(kind: str, args: argparse.Namespace) -> list[Result]:
             remote_config={"num_cpus": 1},
         )
     else:
-        num_slices, slice_len = (int(x) for x in args.scale_slices.split("x"))
+        num_slices, slice_len = _slices(args.scale_slices)
         rb = RayReplayBuffer(
             replay_buffer_cls=fastreplay.TensorDictReplayBuffer,
             storage=functools.partial(LazyTensorStorage, capacity),
@@ -267,7 +370,8 @@ def _run_ray(kind: str, args: argparse.Namespace) -> list[Result]:
         )
     try:
         for lo in range(0, stored, _PREFILL_CHUNK):
-            rb.extend(_episodes(99, lo, min(_PREFILL_CHUNK, stored - lo), args.scale_episode))
+            n = min(_PREFILL_CHUNK, stored - lo)
+            rb.extend(_episodes(writers, lo, n, args.scale_episode))  # after the writers' ids
         _learner_step(rb, kind)
         write = ray.remote(num_cpus=0)(_ray_writer)
         t0 = time.perf_counter()
@@ -280,7 +384,7 @@ def _run_ray(kind: str, args: argparse.Namespace) -> list[Result]:
         elapsed = time.perf_counter() - t0
     finally:
         rb.close()
-    median = statistics.median(times) if times else float("nan")
+    mean = statistics.fmean(times) if times else float("nan")
     rate = len(times) / sum(times) if times else 0.0
     print(
         f"  ray {kind}, {writers} writer tasks: learner {rate:8.1f} steps/s, writers "
@@ -288,9 +392,12 @@ def _run_ray(kind: str, args: argparse.Namespace) -> list[Result]:
         flush=True,
     )
     extra = {"steps_per_s": rate, "items_written_per_s": written / elapsed}
+    extra["median_step_s"] = statistics.median(times) if times else float("nan")
     extra["invalid_samples"] = invalid
     case = f"ray {kind} {writers} writer tasks, {fmt_count(capacity)}"
-    return [Result(NAME, case, median, None, invalid == 0, {"kind": kind}, extra)]
+    return [
+        Result(NAME, case, mean, None, invalid == 0, {"kind": kind}, extra, rate_unit="steps/s")
+    ]
 
 
 def _ray_writer(client: Any, writer: int, episode: int, seconds: float) -> int:

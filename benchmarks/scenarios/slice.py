@@ -29,6 +29,7 @@ from benchmarks.harness import (
     fmt_count,
     interleaved_seconds,
     parse_count,
+    parse_counts,
     positive_int,
     progress,
 )
@@ -65,6 +66,25 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--slice-len", type=positive_int, default=32, help="steps per slice (batch = slices x len)"
     )
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Values that do not fit together (the sampler's slices are strict: full length)."""
+    problems = []
+    capacity, stored = parse_count(args.capacity), parse_count(args.stored)
+    if stored > capacity:
+        problems.append(
+            f"--stored {args.stored} exceeds --capacity {args.capacity}: this scenario times a "
+            "partly filled storage; store at most the capacity"
+        )
+    shortest = min(parse_counts(args.episode_len))
+    if args.slice_len > min(shortest, stored):
+        what = f"--episode-len {shortest}" if shortest <= stored else f"--stored {args.stored}"
+        problems.append(
+            f"--slice-len {args.slice_len} is longer than {what}: no trajectory holds a whole "
+            f"slice; pass --slice-len {min(shortest, stored)} or less"
+        )
+    return problems
 
 
 def _fill(rb: ReplayBuffer, stored: int, episode_len: int, end: str, offset: int = 0) -> None:

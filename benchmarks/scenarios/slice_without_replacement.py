@@ -27,11 +27,13 @@ from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWi
 
 from benchmarks.harness import (
     Result,
+    check_sizes,
     count_text,
     counts_text,
     fmt_count,
     positive_int,
     progress,
+    sizes_and_capacity,
 )
 from benchmarks.scenarios.prioritized_slice import (
     _CHUNK,
@@ -92,6 +94,22 @@ def _refusal(args: argparse.Namespace, stored: int, capacity: int) -> str | None
             "items, or pass a smaller --swor-num-slices or --swor-episode-len"
         )
     return None
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """Values that do not fit together.
+
+    A size refused by :func:`_refusal` is skipped at run time, with the reason; a run where
+    every size is refused would measure nothing, so that is a usage error.
+    """
+    problems = check_sizes("swor", args.swor_stored, args.swor_capacity, args.swor_slice_len)
+    if problems:
+        return problems
+    sizes, capacity = sizes_and_capacity(args.swor_stored, args.swor_capacity)
+    refusals = [_refusal(args, stored, capacity) for stored in sizes]
+    if all(refusals):
+        return [refusals[-1]]  # the largest size's reason, when they differ
+    return []
 
 
 def run(args: argparse.Namespace) -> list[Result]:
