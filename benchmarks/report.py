@@ -185,7 +185,7 @@ def plot_skip_reason(results: list[Result], env: Mapping[str, Any] | None = None
             why += "; TorchRL's compiled extension did not load, so its side was not timed"
         return why
     if importlib.util.find_spec("matplotlib") is None:
-        return "matplotlib is not installed (pip install 'fastreplay[bench]')"
+        return "matplotlib is not installed (pip install matplotlib)"
     return None
 
 

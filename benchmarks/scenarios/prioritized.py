@@ -91,7 +91,7 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
     if selected and "numba" in chosen and importlib.util.find_spec("numba") is None:
         problems.append(
             f"--per-backends {args.per_backends}: numba is not installed (pip install "
-            "'fastreplay[fast]'); pass --per-backends torch"
+            "numba); pass --per-backends torch"
         )
     return problems
 
