@@ -98,6 +98,39 @@ def test_constructor_signature_keeps_unresolved_variadics() -> None:
     assert Loose.__dict__["__signature__"].__get__(Loose(1), Loose) is None  # instances
 
 
+SAMPLERS = [name for name in PUBLIC_CLASSES if "Sampler" in name]
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_samplers_mirror_torchrl_s_class_relations(name: str) -> None:
+    """Where TorchRL's ``A`` subclasses TorchRL's ``B``, fastreplay's ``A`` subclasses its ``B``.
+
+    So ``isinstance(sampler, fastreplay.SliceSampler)`` holds for the without-replacement and
+    prioritized slice samplers, as ``isinstance(..., torchrl.data.SliceSampler)`` does.
+    """
+    cls, upstream = getattr(fastreplay, name), getattr(trl, name)
+    assert issubclass(cls, upstream)
+    for other in SAMPLERS:
+        if issubclass(upstream, getattr(trl, other)):
+            assert issubclass(cls, getattr(fastreplay, other)), (
+                f"TorchRL's {name} is a TorchRL {other}; fastreplay's {name} is not a "
+                f"fastreplay.{other}"
+            )
+
+
+def test_slice_sampler_module_does_not_import_its_subclasses() -> None:
+    """``SliceSampler(replacement=False)`` finds its class in a registry, not by an import."""
+    from fastreplay.samplers import slice as slice_module
+
+    imported = set()
+    for node in ast.walk(ast.parse(Path(slice_module.__file__).read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    assert not {m for m in imported if m.startswith("fastreplay.samplers.")}, imported
+
+
 # The pure cores: plain classes and functions that TorchRL adapters wire in.
 _CORES = (
     "_epoch_permutation.py",

@@ -256,8 +256,26 @@ def test_signature_is_torchrl_s_plus_the_priority_bounds() -> None:
         assert PSS(10, 1.0, 1.0, num_slices=2, span=True).span == (0, True)
 
 
+def test_is_a_slice_sampler_and_a_prioritized_sampler_of_both_libraries() -> None:
+    """TorchRL's class subclasses its SliceSampler and PrioritizedSampler; so does this one."""
+    import torchrl.data as trl
+
+    import fastreplay
+
+    sampler = PSS(10, 1.0, 1.0, num_slices=2)
+    for cls in (
+        fastreplay.SliceSampler,
+        fastreplay.PrioritizedSampler,
+        trl.SliceSampler,
+        trl.PrioritizedSampler,
+        TorchRLPrioritizedSliceSampler,
+    ):
+        assert isinstance(sampler, cls), cls
+    assert not isinstance(sampler, fastreplay.SliceSamplerWithoutReplacement)
+
+
 def _snapshot(sampler) -> tuple:
-    index = sampler._fr_slices._fr_index
+    index = sampler._fr_index
     return (
         sampler._trees.leaf_mass().tolist(),
         None if index is None else index.boundaries()[0].tolist(),

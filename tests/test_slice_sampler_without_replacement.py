@@ -91,6 +91,21 @@ def test_signature_is_torchrl_s() -> None:
     assert isinstance(WOR(num_slices=2), REF)
 
 
+def test_replacement_false_builds_an_instance_of_every_slice_sampler_class() -> None:
+    """As TorchRL's ``test_replacement_kwarg_slice``: the result is both kinds of sampler."""
+    import torchrl.data as trl
+
+    import fastreplay
+
+    ours = fastreplay.SliceSampler(num_slices=2, replacement=False, end_key=DONE)
+    theirs = trl.SliceSampler(num_slices=2, replacement=False, end_key=DONE)
+    assert isinstance(theirs, trl.SliceSamplerWithoutReplacement)
+    assert isinstance(theirs, trl.SliceSampler)
+    for cls in (WOR, fastreplay.SliceSampler, REF, trl.SliceSampler):
+        assert isinstance(ours, cls), cls
+    assert issubclass(WOR, fastreplay.SliceSampler)
+
+
 def test_static_boundaries_keep_torchrl_s_path() -> None:
     ends = torch.zeros(30, dtype=torch.bool)
     ends[[9, 19, 29]] = True

@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -25,7 +25,11 @@ from tensordict.nn import ProbabilisticTensorDictModule, ProbabilisticTensorDict
 
 __all__ = ["chunked_log_prob"]
 
-ProbabilisticActorLike = ProbabilisticTensorDictModule | ProbabilisticTensorDictSequential
+# Declared as an alias: type checkers then resolve ``actor``'s type in the public signature
+# (an undeclared ``X | Y`` of classes they cannot see is read as a variable, not a type).
+ProbabilisticActorLike: TypeAlias = (
+    ProbabilisticTensorDictModule | ProbabilisticTensorDictSequential
+)
 
 
 def _check_chunk_size(chunk_size: object) -> int:

@@ -1,8 +1,9 @@
 """``PrioritizedSliceSampler``: prioritized slice starts from the trajectory index and the trees.
 
-A thin adapter over fastreplay's two cores: the priority trees of
-:class:`fastreplay.PrioritizedSampler` (inherited) and the incremental trajectory index kept by
-an inner :class:`fastreplay.SliceSampler` (composed). ``sample`` draws slice starts from the
+A thin adapter over fastreplay's two cores, both inherited (as TorchRL's class inherits its
+``PrioritizedSampler`` and ``SliceSampler``): the priority trees of
+:class:`fastreplay.PrioritizedSampler` and the incremental trajectory index of
+:class:`fastreplay.SliceSampler`. ``sample`` draws slice starts from the
 trees and keeps the draws that are valid starts (rejection sampling), which gives exactly the
 priority distribution restricted to valid starts without writing to any shared state.
 """
@@ -24,7 +25,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._signature import ConstructorSignature
 from fastreplay.samplers.prioritized import PrioritizedSampler, _locked
-from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
+from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
 __all__ = ["PrioritizedSliceSampler"]
 
@@ -35,7 +36,7 @@ _MAX_DRAWS_PER_SLICE = 64
 Locator = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
-class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSampler):
+class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioritizedSliceSampler):
     r"""Drop-in ``torchrl.data.PrioritizedSliceSampler`` whose ``sample`` does not scan the buffer.
 
     Same arguments and outputs as TorchRL's class (Schaul et al. 2015 on slice starts): a slice
@@ -60,6 +61,10 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
 
     Args and keyword args are TorchRL's (see :class:`torchrl.data.PrioritizedSliceSampler`),
     plus ``upper_priority`` and ``initial_priority`` (see :class:`fastreplay.PrioritizedSampler`).
+    It is a :class:`fastreplay.PrioritizedSampler` and a :class:`fastreplay.SliceSampler`; the
+    slice attributes TorchRL reads at each ``sample`` (``num_slices``, ``slice_len``,
+    ``strict_length``, ``span``, ``truncated_key``, the boundary keys...) can be assigned
+    between samples, as on :class:`fastreplay.SliceSampler`.
 
     Example:
         >>> import torch
@@ -146,14 +151,9 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
                 stacklevel=2,
             )
             self.span = (0, self.span[1])
-        static = "static-stop-and-length" in self._cache
-        # The trajectory index (composed, not copied): kept by a fastreplay.SliceSampler that
-        # is told about every write and only ever asked for its index.
-        self._fr_slices = SliceSampler(
-            num_slices=num_slices,
-            slice_len=slice_len,
-            **({} if static else {"end_key": end_key, "end_keys": end_keys, "traj_key": traj_key}),
-        )
+        self.num_slices = _check_count("num_slices", num_slices)
+        self.slice_len = _check_count("slice_len", slice_len)
+        self._fr_init_state()  # the trajectory index, told about every write
         self._fr_static: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __repr__(self) -> str:
@@ -168,37 +168,37 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor | tuple) -> None:
         """Record the written rows in the trajectory index (``O(items written)``)."""
-        self._fr_slices.extend(index)
+        self._fr_record(index)
         if self.cache_values:
             self._cache.pop("preceding_stop_idx", None)
 
     def add(self, index: int | torch.Tensor) -> None:
         """Record the written row in the trajectory index."""
-        self._fr_slices.add(index)
+        self._fr_record(index)
         if self.cache_values:
             self._cache.pop("preceding_stop_idx", None)
 
     def _empty(self) -> None:
         PrioritizedSampler._empty(self)
-        self._fr_slices._empty()
+        self.invalidate_boundaries()
 
     @_locked
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the priorities; the trajectory index is rebuilt at the next sample."""
         PrioritizedSampler.load_state_dict(self, state_dict)
-        self._fr_slices._empty()
+        self.invalidate_boundaries()
 
     @_locked
     def loads(self, path: Any) -> None:
         """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
         PrioritizedSampler.loads(self, path)
-        self._fr_slices._empty()
+        self.invalidate_boundaries()
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
         """Trajectory boundaries in TorchRL's format, from the index (``O(trajectories)``)."""
         if "static-stop-and-length" in self._cache:
             return self._cache["static-stop-and-length"]
-        return self._fr_slices._get_stop_and_length(storage, fallback)
+        return SliceSampler._get_stop_and_length(self, storage, fallback)
 
     # ------------------------------------------------------------------ valid starts
     def _fr_locator(self, storage: Any, seq_length: int, k: int) -> Locator:
@@ -216,7 +216,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
                 self._fr_static = (table_pos, table_len)
             table_pos, table_len = (t.numpy() for t in self._fr_static)
             return lambda r, c: (table_pos[r], table_len[r])
-        index = self._fr_slices._fr_sync(storage)
+        index = self._fr_sync(storage)
         if self.strict_length and not int(index.counts(k + 1).sum()):
             lengths = index.boundaries()[2]
             raise SliceSamplerError(
@@ -302,7 +302,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
             ``truncated_key``'s parent.
         """
         self._maybe_init_from_storage(storage)
-        seq_length, num_slices = self._fr_slices._fr_batch(batch_size)
+        seq_length, num_slices = self._fr_batch(batch_size)
         if len(storage) == 0:
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."

@@ -13,6 +13,7 @@ import torch
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
+from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
@@ -92,14 +93,14 @@ def without_replacement_class() -> type:
     """The class that ``SliceSampler(replacement=False, ...)`` builds, with the same arguments.
 
     The one place that makes this choice; that class also accepts ``replacement=False`` itself
-    (a no-op), as TorchRL's classes do.
+    (a no-op), as TorchRL's classes do. It is read from TorchRL's replacement table, where
+    :mod:`fastreplay.samplers.slice_without_replacement` registers it when it is imported
+    (importing any part of fastreplay imports it), so this module does not import it.
 
     Returns:
         ``fastreplay.SliceSamplerWithoutReplacement``.
     """
-    from fastreplay.samplers.slice_without_replacement import SliceSamplerWithoutReplacement
-
-    return SliceSamplerWithoutReplacement
+    return _REPLACEMENT_DISPATCH[SliceSampler]
 
 
 _REPLACEMENT = inspect.Parameter(
@@ -121,8 +122,56 @@ class _SliceSamplerMeta(type(_TorchRLSliceSampler)):  # type: ignore[misc]
 
     @property
     def __signature__(cls) -> inspect.Signature:
-        """``cls(...)``'s arguments (TorchRL's metaclass makes them read ``*args, **kwargs``)."""
-        return constructor_signature(cls, extra=[_REPLACEMENT])
+        """``cls(...)``'s arguments (TorchRL's metaclass makes them read ``*args, **kwargs``).
+
+        A class body's own ``__signature__`` (``PrioritizedSliceSampler``'s, which takes no
+        ``replacement``) is used for it and its subclasses; otherwise ``replacement`` comes
+        first, then the ``__init__`` chain's arguments.
+        """
+        for klass in cls.__mro__:
+            own = vars(klass).get("__signature__")
+            if own is not None:
+                return own.__get__(None, cls)
+        signature = constructor_signature(cls, extra=[_REPLACEMENT])
+        params = sorted(
+            signature.parameters.values(), key=lambda p: (p.kind, p.name != "replacement")
+        )
+        return signature.replace(parameters=params)
+
+
+class _BoundaryKey:
+    """A boundary key attribute (``end_key``, ``end_keys``, ``traj_key``) kept in ``__dict__``.
+
+    TorchRL reads these at every ``sample``; assigning a new value here also marks the
+    trajectory index for a rebuild from the storage at the next ``sample`` (``O(items
+    stored)``, once). The value lives in the instance ``__dict__`` under its own name, as a
+    plain attribute would, so pickles and TorchRL's ``__getstate__`` see no difference.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if instance is None:
+            return self
+        try:
+            return instance.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, instance: Any, value: Any) -> None:
+        state = instance.__dict__
+        if self.name in state and not _same_key(state[self.name], value):
+            state["_fr_dirty"] = True
+        state[self.name] = value
+
+
+def _same_key(old: Any, new: Any) -> bool:
+    """Whether two key settings name the same keys (keys, sequences of keys or ``None``)."""
+    try:
+        return type(old) is type(new) and bool(old == new)
+    except (TypeError, RuntimeError, ValueError):  # something that does not compare: changed
+        return False
 
 
 def _check_count(name: str, value: Any) -> Any:
@@ -183,11 +232,23 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
         >>> batch = rb.sample()
         >>> batch["episode"].view(4, 4).unique(dim=1).shape  # each slice in one episode
         torch.Size([4, 1])
+
+    The public attributes TorchRL reads at each ``sample`` (``num_slices``, ``slice_len``,
+    ``strict_length``, ``pad_output``, ``span``, ``end_key``, ``end_keys``, ``traj_key``,
+    ``truncated_key``, ``init_key``, ``cache_values``, ``use_gpu``, ``fragmented``,
+    ``step_key``) can be assigned between samples, as with TorchRL's class (e.g.
+    ``sampler.num_slices = k`` before ``rb.sample(k * horizon)``); a new boundary key makes the
+    index rebuild from the storage once.
     """
+
+    end_key = _BoundaryKey()
+    end_keys = _BoundaryKey()
+    traj_key = _BoundaryKey()
 
     def __init__(
         self,
         *,
+        replacement: bool = True,
         num_slices: int | None = None,
         slice_len: int | None = None,
         end_key: NestedKey | None = None,
@@ -208,12 +269,15 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
     ) -> None:
         """Build the sampler; arguments as in ``torchrl.data.SliceSampler``.
 
+        ``replacement=False`` builds :func:`without_replacement_class` instead (the metaclass
+        reads it before ``__init__`` runs); ``True``, the default, builds this class.
+
         Raises:
             TypeError: ``num_slices``/``slice_len`` is not an integer (and TorchRL's own
                 errors for exclusive or missing arguments).
             SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
         """
-        super().__init__(
+        arguments: dict[str, Any] = dict(
             num_slices=num_slices,
             slice_len=slice_len,
             end_key=end_key,
@@ -232,8 +296,23 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
             span=span,
             use_gpu=use_gpu,
         )
+        if fragmented:
+            # TorchRL accepts fragmented=True only where ``sample`` is its own class's: this
+            # class's ``sample`` serves it with TorchRL's code, its subclasses' may not.
+            if type(self).sample is not SliceSampler.sample:
+                raise NotImplementedError(
+                    "fragmented=True currently supports SliceSampler with replacement only."
+                )
+            _TorchRLSliceSampler(**arguments)  # TorchRL's other checks, errors and messages
+            arguments["fragmented"] = False  # the flag is read at sample time only
+        super().__init__(**arguments)
+        self.fragmented = fragmented
         self.num_slices = _check_count("num_slices", num_slices)
         self.slice_len = _check_count("slice_len", slice_len)
+        self._fr_init_state()
+
+    def _fr_init_state(self) -> None:
+        """The index state; subclasses that run TorchRL's ``__init__`` directly call it too."""
         self._fr_index: TrajectoryIndex | None = None
         self._fr_spec: tuple | None = None
         self._fr_storage: weakref.ref | None = None  # identity that a new storage cannot reuse
@@ -522,16 +601,29 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
 
     # ------------------------------------------------------------------------ sampling
     def _fr_batch(self, batch_size: int) -> tuple[int, int]:
-        if self.num_slices:
-            size, name = self.num_slices, "num_slices"
+        """``(seq_length, num_slices)`` from the current ``num_slices``/``slice_len``.
+
+        Read at each call, as TorchRL does (``num_slices`` wins when both are set); a value
+        assigned since construction is checked here as the constructor checks it.
+        """
+        if self.num_slices is not None:
+            name = "num_slices"
+        elif self.slice_len is not None:
+            name = "slice_len"
         else:
-            size, name = self.slice_len, "slice_len"
+            raise TypeError(
+                "Either num_slices or slice_len must be set, got num_slices=None and "
+                "slice_len=None; assign one of them (e.g. sampler.num_slices = 4)."
+            )
+        size = int(_check_count(name, getattr(self, name)))
         if batch_size % size:
             raise SliceSamplerError(
                 f"batch_size={batch_size} is not divisible by {name}={size}; pass a batch "
                 f"size that is a multiple of {size} (e.g. {max(1, batch_size // size) * size})."
             )
-        return self._adjusted_batch_size(batch_size)
+        if name == "num_slices":
+            return batch_size // size, size
+        return size, batch_size // size
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
         if not self._fr_fast(storage) or len(storage) == 0:

@@ -1,7 +1,8 @@
 """``SliceSamplerWithoutReplacement``: TorchRL's epoch-based slice sampler on the trajectory index.
 
-A thin adapter: the trajectory boundaries come from the incremental index kept by an inner
-:class:`fastreplay.SliceSampler` (composed); the epoch bookkeeping (``drop_last``, ``shuffle``,
+A thin adapter: a :class:`fastreplay.SliceSampler` (as TorchRL's class is a TorchRL
+``SliceSampler``) whose trajectory boundaries come from the inherited incremental index; the
+epoch bookkeeping (``drop_last``, ``shuffle``,
 a new epoch when the number of trajectories changes) follows TorchRL's
 ``SamplerWithoutReplacement``, with large shuffled epochs drawn lazily by
 :class:`fastreplay._epoch_permutation.EpochPermutation`.
@@ -22,12 +23,12 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._epoch_permutation import EpochPermutation
 from fastreplay._signature import ConstructorSignature
-from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
+from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
 __all__ = ["SliceSamplerWithoutReplacement"]
 
 
-class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
+class SliceSamplerWithoutReplacement(SliceSampler, _TorchRLSliceSamplerWithoutReplacement):
     """Drop-in ``torchrl.data.SliceSamplerWithoutReplacement`` that does not rescan the buffer.
 
     Same arguments, outputs and epoch semantics as TorchRL's class: each ``sample`` takes the
@@ -45,6 +46,10 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
       ``O(items stored)`` rebuild from the storage, never stale boundaries.
 
     ``ends``/``trajectories`` (static boundaries) and ``use_gpu`` keep TorchRL's code path.
+    It is a :class:`fastreplay.SliceSampler` (and a TorchRL ``SliceSampler`` and
+    ``SliceSamplerWithoutReplacement``); ``SliceSampler(replacement=False, ...)`` builds it.
+    Public attributes (``num_slices``, ``drop_last``, ``shuffle``, the boundary keys...) can
+    be assigned between samples, as on :class:`fastreplay.SliceSampler`.
 
     Example:
         >>> import torch
@@ -63,7 +68,8 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         [0, 1, 2, 3, 4, 5]
     """
 
-    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
+    # TorchRL's arguments exactly (``replacement=False`` is still accepted, as a no-op).
+    __signature__ = ConstructorSignature()
 
     def __init__(
         self,
@@ -83,7 +89,19 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         compile: bool | dict = False,
         use_gpu: bool | torch.device = False,
     ) -> None:
-        super().__init__(
+        """Build the sampler; arguments as in ``torchrl.data.SliceSamplerWithoutReplacement``.
+
+        ``replacement=False`` is accepted as a no-op (the metaclass removes it before
+        ``__init__`` runs), as TorchRL's class accepts it.
+
+        Raises:
+            TypeError: ``num_slices``/``slice_len`` is not an integer (and TorchRL's own
+                errors for exclusive or missing arguments).
+            SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
+        """
+        # TorchRL's __init__ (it runs TorchRL's SliceSampler.__init__ and the epoch state's).
+        _TorchRLSliceSamplerWithoutReplacement.__init__(
+            self,
             num_slices=num_slices,
             slice_len=slice_len,
             drop_last=drop_last,
@@ -99,36 +117,16 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             compile=compile,
             use_gpu=use_gpu,
         )
-        self._fr_static = "static-stop-and-length" in self._cache or self.use_gpu
-        # The trajectory index (composed, not copied): kept by a fastreplay.SliceSampler that
-        # is told about every write and only ever asked for its index.
+        self.num_slices = _check_count("num_slices", num_slices)
+        self.slice_len = _check_count("slice_len", slice_len)
+        self._fr_init_state()
+        # Static boundaries are a constructor argument: TorchRL's path serves them for good.
+        self._fr_static = "static-stop-and-length" in self._cache
         self._fr_perm = EpochPermutation()
-        self._fr_slices = SliceSampler(
-            num_slices=num_slices,
-            slice_len=slice_len,
-            end_key=end_key,
-            end_keys=end_keys,
-            traj_key=traj_key,
-        )
 
     def _fr_fast(self, storage: Any) -> bool:
         """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
-        return not self._fr_static and self._fr_slices._fr_fast(storage)
-
-    # ----------------------------------------------------------------- write notifications
-    def extend(self, index: torch.Tensor) -> None:
-        """Record the written rows in the trajectory index (``O(items written)``)."""
-        super().extend(index)
-        self._fr_slices.extend(index)
-
-    def add(self, index: int | torch.Tensor) -> None:
-        """Record the written row in the trajectory index."""
-        super().add(index)
-        self._fr_slices.add(index)
-
-    def _empty(self) -> None:
-        super()._empty()
-        self._fr_slices._empty()
+        return not self._fr_static and super()._fr_fast(storage)
 
     def state_dict(self) -> dict[str, Any]:
         """TorchRL's state: the trajectories left in the epoch as ``_sample_list``.
@@ -144,18 +142,10 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the epoch state; the trajectory index is rebuilt at the next sample."""
         super().load_state_dict(state_dict)
-        self._fr_slices._empty()
 
     def loads(self, path: Any) -> None:
         """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
         super().loads(path)
-        self._fr_slices._empty()
-
-    def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
-        """Trajectory boundaries in TorchRL's format, from the index (``O(trajectories)``)."""
-        if not self._fr_fast(storage):
-            return super()._get_stop_and_length(storage, fallback)
-        return self._fr_slices._get_stop_and_length(storage, fallback)
 
     # ------------------------------------------------------------------------ sampling
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
@@ -165,15 +155,15 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         drawn (end of an epoch, or a change in the number of stored trajectories), as TorchRL.
         """
         if not self._fr_fast(storage):
-            return super().sample(storage, batch_size)
+            return _TorchRLSliceSamplerWithoutReplacement.sample(self, storage, batch_size)
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
-        seq_length, num_slices = self._fr_slices._fr_batch(batch_size)
+        seq_length, num_slices = self._fr_batch(batch_size)
         if len(storage) == 0:
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )
-        index = self._fr_slices._fr_sync(storage)
+        index = self._fr_sync(storage)
         n_all = int(index.counts(1).sum())
         n_long = int(index.counts(seq_length).sum())
         if self.strict_length and not n_long:
@@ -292,7 +282,7 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
         ``truncated`` is set: ``leaf[index] | truncated`` is ``truncated``, with no gather from
         the storage (a cache miss per slice in a large buffer).
         """
-        mode, keys = self._fr_slices._fr_spec[:2]
+        mode, keys = self._fr_spec[:2]
         return (
             mode == "done"
             and key in keys
