@@ -140,3 +140,39 @@ def test_locate_matches_the_boundaries_while_the_trajectory_ring_wraps(
         wrapped |= ring.head + ring.count > ring.data.shape[0]
         _assert_locate_matches_boundaries(index, rows, columns)
     assert wrapped  # the search over two pieces of the ring ran
+
+
+@pytest.mark.parametrize("mode", ["done", "ids"])
+def test_laps_around_a_full_storage_never_start_over_and_keep_memory_flat(
+    monkeypatch, mode: str
+) -> None:
+    rows, columns, length = 1001, 2, 37  # episodes run across row 0 at shifting offsets
+    rng = np.random.default_rng(1)
+    index = TrajectoryIndex(rows, columns, mode)
+    written = 0
+
+    def write(n: int) -> None:
+        nonlocal written
+        step = written + np.arange(n)[:, None] + np.array([0, 11])  # one offset per column
+        signal = step % length == length - 1 if mode == "done" else step // length
+        index.write(written % rows, signal)
+        written += n
+        index.select(rng.integers(0, index.counts(8).sum(), 16), 8)  # the eligibility rings
+
+    while written < 2 * rows:
+        write(int(rng.integers(1, rows // 3)))
+    settled = index.nbytes()
+    monkeypatch.setattr(index, "reset", lambda: pytest.fail("the index started over"))
+    while written < 30 * rows:  # each write shorter than the storage: no rebuild needed
+        write(int(rng.integers(1, rows // 3)))
+        assert index.nbytes() == settled  # rings reuse their slots: O(trajectories) memory
+    start, stop, _, _ = index.boundaries()
+    assert index.size == rows and (start > stop).any()
+    storage = np.empty((rows, columns), dtype=bool if mode == "done" else np.int64)
+    step = written - rows + np.arange(rows)[:, None] + np.array([0, 11])
+    storage[(written - rows + np.arange(rows)) % rows] = (
+        step % length == length - 1 if mode == "done" else step // length
+    )
+    got = index.boundaries()
+    got = list(zip(got[3].tolist(), got[0].tolist(), got[1].tolist(), got[2].tolist(), strict=True))
+    assert got == _reference(storage, rows, index.cursor, mode)
