@@ -7,10 +7,17 @@ they are then never called (only constructing the trees needs numba).
 
 ``_prefetch`` hints the CPU to load a cache line without waiting for it: a search or update
 issues the loads of many independent nodes back to back, so their misses overlap.
+
+The kernels are cached on disk (numba's ``cache=True``: a ``__pycache__`` next to this module,
+the user's cache dir, or ``NUMBA_CACHE_DIR``). Where none of them is writable (a read-only
+install), they are compiled without a cache in every process instead, and one message on the
+``fastreplay`` logger says how to enable it (a logged message, not a warning: importing must
+keep working where warnings are errors).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -32,10 +39,32 @@ _AHEAD = 32
 OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW, CHECK_MASS = 0, 1, 2, 3, 4
 
 
+_LOG = logging.getLogger(__name__)
+_NO_CACHE = (
+    "numba cannot cache fastreplay's compiled kernels: neither the __pycache__ folder next to "
+    "%s nor the user's cache dir is writable, so every new process compiles them again (a few "
+    "seconds at first use). To cache them, set the environment variable "
+    "NUMBA_CACHE_DIR=/some/writable/dir before importing fastreplay."
+)
+_cache = True  # False once numba found no writable cache location (checked on the first kernel)
+
+
 def _jit(fn: Any = None, **options: Any) -> Any:
+    """``numba.njit(cache=True)``; without a cache where numba finds no writable location."""
+    global _cache
     if fn is None:
         return lambda f: _jit(f, **options)
-    return numba.njit(cache=True, **options)(fn) if numba is not None else fn
+    if numba is None:
+        return fn
+    if _cache:
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError as error:  # "cannot cache function ...: no locator available ..."
+            if "cannot cache" not in str(error):
+                raise
+            _cache = False
+            _LOG.warning(_NO_CACHE, __file__)
+    return numba.njit(**options)(fn)
 
 
 if numba is not None:
