@@ -37,6 +37,103 @@ def _pythonpath(*first: Path | str) -> str:
     return os.pathsep.join([*map(str, first), os.environ.get("PYTHONPATH", "")])
 
 
+# ---------------------------------------------------------------- pickled for another process
+_SEND = textwrap.dedent(
+    """
+    import math
+    import multiprocessing as mp
+    import sys
+
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    import fastreplay
+    from fastreplay import PrioritizedSampler
+
+    N, ALPHA, BETA, EPS = 1000, 0.7, 0.5, 1e-8
+
+
+    def mass(raw):
+        return ((raw.double() + EPS) ** ALPHA).float().double()  # as a float32 sampler keeps it
+
+
+    def check(sampler, storage, raw, where):
+        expected = torch.zeros(sampler._slots, dtype=torch.float64)
+        expected[: raw.numel()] = mass(raw)
+        assert torch.equal(sampler._trees.leaf_mass(), expected), where
+        total = math.fsum(expected.tolist())
+        assert abs(sampler._trees.total() - total) <= 1e-12 * total, (where, total)
+        assert sampler._trees.min_mass() == expected[: raw.numel()].min().item(), where
+        index, info = sampler.sample(storage, 512)
+        assert 0 <= int(index.min()) and int(index.max()) < raw.numel(), where
+        weight = (expected[index] / expected[: raw.numel()].min()) ** -BETA
+        torch.testing.assert_close(info["priority_weight"], weight.float(), rtol=1e-5, atol=0)
+
+
+    def receive(queue, results):
+        for _ in range(int(sys.argv[2])):
+            got = queue.get(timeout=120)
+            sampler = got if isinstance(got, PrioritizedSampler) else got.sampler
+            total = sampler._trees.total()
+            # this process owns its copy: writing it must not reach the sender's trees
+            sampler.update_priority(torch.arange(5), torch.full((5,), 100.0))
+            results.put((sampler.backend, total, sampler._trees.total()))
+
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        queue, results = ctx.Queue(), ctx.Queue()
+        gen = torch.Generator().manual_seed(0)
+        sent = []
+        for backend in sys.argv[1].split(","):
+            sampler = PrioritizedSampler(N, ALPHA, BETA, eps=EPS, backend=backend)
+            rb = ReplayBuffer(storage=LazyTensorStorage(N), sampler=sampler)
+            rb.extend(torch.arange(100))
+            sent.append((sampler, rb.storage, torch.rand(100, generator=gen) + 0.1, sampler))
+        tdrb = fastreplay.TensorDictPrioritizedReplayBuffer(
+            alpha=ALPHA, beta=BETA, eps=EPS, storage=LazyTensorStorage(N), priority_key="td"
+        )
+        raw = torch.rand(100, generator=gen) + 0.1
+        tdrb.extend(TensorDict({"obs": torch.arange(100), "td": raw}, [100]))
+        sent.append((tdrb.sampler, tdrb.storage, raw, tdrb))
+        for sampler, storage, raw, _ in sent:
+            sampler.update_priority(torch.arange(100), raw, storage=storage)
+        receiver = ctx.Process(target=receive, args=(queue, results))
+        receiver.start()
+        for *_, obj in sent:
+            queue.put(obj)  # pickled in a feeder thread: the tensors move to shared memory
+        received = [results.get(timeout=240) for _ in sent]  # every copy was taken and written
+        receiver.join(60)
+        assert receiver.exitcode == 0, receiver.exitcode
+        for (sampler, storage, raw, _), (backend, total, _) in zip(sent, received):
+            assert backend == sampler.backend and total == sampler._trees.total()
+            check(sampler, storage, raw, f"{backend}: after the put")
+            raw = torch.rand(100, generator=gen) + 0.1  # the sender keeps writing and sampling
+            sampler.update_priority(torch.arange(100), raw, storage=storage)
+            check(sampler, storage, raw, f"{backend}: after an update")
+        print("OK", [backend for backend, *_ in received])
+    """
+)
+
+
+def test_a_sampler_put_on_a_multiprocessing_queue_keeps_working_in_the_sender(
+    tmp_path: Path,
+) -> None:
+    """``mp.Queue.put`` of samplers (every backend) and of a TensorDictPrioritizedReplayBuffer,
+    taken by a spawned process: pickling moves torch tensors to shared memory, which must not
+    leave the sender's trees stale, and the receiver's copy is its own. Exact masses, totals
+    and weights against a brute-force model afterwards, in both processes' order of writes."""
+    script = tmp_path / "send.py"
+    script.write_text(_SEND)
+    backends = ",".join(available_backends())
+    count = len(available_backends()) + 1
+    env = {**os.environ, "PYTHONPATH": _pythonpath(REPO / "src")}
+    done = _run([sys.executable, str(script), backends, str(count)], env=env)
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert done.stdout.splitlines()[-1].startswith("OK"), done.stdout
+
+
 # ---------------------------------------------------------------- read-only installs
 _IMPORT = textwrap.dedent(
     """

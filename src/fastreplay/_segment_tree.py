@@ -127,8 +127,10 @@ class PriorityTrees:
         self._scratch_out: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        keys = ("capacity", "branching", "device", "levels")
-        return {key: self.__dict__[key] for key in keys}
+        # Copies: pickling for another process (multiprocessing) would otherwise share the
+        # levels' memory, and the two processes' trees would write each other's. O(capacity).
+        state = {key: self.__dict__[key] for key in ("capacity", "branching", "device")}
+        return {**state, "levels": [level.clone() for level in self.levels]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

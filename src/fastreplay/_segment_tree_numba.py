@@ -122,20 +122,29 @@ class NumbaPriorityTrees:
         self._sizes = np.asarray(sizes, dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(self._sizes)[:-1]]).astype(np.int64)
         columns = -(-int(self._sizes.sum()) // 8) * 8  # each row starts on a cache line
-        self._data = torch.empty(3, columns, dtype=torch.float64)
+        # The kernels hold the address of this NumPy array, which owns its memory: unlike a
+        # tensor's storage, nothing moves it (pickling a tensor for another process moves
+        # its storage to shared memory, which would leave a NumPy view of it dangling).
+        self._tree = np.empty((3, columns), dtype=np.float64)
         self._attach()
         self.reset()
 
     def _attach(self) -> None:
-        self._tree = self._data.numpy()
+        """Derive the tensor view of :attr:`_tree` (never pickled: it is rebuilt here)."""
+        self._data = torch.from_numpy(self._tree)
         self._root = int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
+        # The NumPy array is pickled by value, so every copy (another process's included)
+        # owns its trees and this process's trees stay where they are. O(capacity).
         state = self.__dict__.copy()
-        state.pop("_tree")
+        state.pop("_data")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_tree" not in state:  # pickled before the trees owned a NumPy array
+            state = {**state, "_tree": state["_data"].numpy().copy()}
+            state.pop("_data")
         self.__dict__.update(state)
         self._attach()
 

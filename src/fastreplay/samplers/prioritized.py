@@ -148,6 +148,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     rest. With ``eps=0`` such a buffer has no mass and ``sample`` raises; keep ``eps > 0`` or
     set ``upper_priority``/priorities above 0.
 
+    Each copy (``copy.deepcopy``, ``pickle``, a ``multiprocessing`` queue) owns its trees:
+    writing one never changes another.
+
     Example:
         >>> import torch
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
