@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import sys
 import threading
 from collections.abc import Callable
@@ -87,6 +88,31 @@ def _locked(method: _Method) -> _Method:
     return wrapper  # type: ignore[return-value]
 
 
+def _scalar(value: Any, name: str) -> float:
+    """``value`` as a Python float: every number TorchRL accepts for ``name``. O(1).
+
+    A Python ``int``/``float``/``bool``, a NumPy scalar, or a one-element tensor or array
+    (``torch.tensor(0.6)``, as TorchRL's parameter schedulers set). The compiled kernels
+    take Python floats only, so every scalar is converted here, once, where it enters.
+
+    Raises:
+        TypeError: anything else (a string, a complex number, several elements), naming
+            ``name`` and showing the value.
+    """
+    if type(value) is float:  # hot path
+        return value
+    if isinstance(value, (np.ndarray, np.generic)) and value.size == 1:
+        value = value.item()
+    elif isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()  # one host sync for a CUDA tensor, here and only here
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(
+        f"{name} must be a real number (a float, an int, a NumPy scalar or a one-element "
+        f"tensor), got {name}={value!r} of type {type(value).__name__}"
+    )
+
+
 def _show(index: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, limit: int = 5) -> str:
     """``"index 3: nan, index 7: -1.0"`` for the first ``limit`` entries where ``mask``."""
     where = mask.nonzero().flatten()
@@ -131,6 +157,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         alpha: priority exponent, ``>= 0`` (0 is uniform sampling).
         beta: importance-weight exponent, ``>= 0``.
         eps: added to every priority before the exponent. Defaults to ``1e-8``.
+
+            ``alpha``, ``beta``, ``eps`` and the priorities below can be any real scalar:
+            a Python number, a NumPy scalar or a one-element tensor (``torch.tensor(0.6)``);
+            ``alpha`` and ``beta`` read back as they were given.
         dtype: ``torch.float32`` or ``torch.float64``: the precision of the sampling mass
             ``(p + eps) ** alpha`` (computed in float64, then rounded) and of the returned
             weights. Internal sums are float64 either way.
@@ -195,14 +225,11 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             raise TypeError(f"max_capacity must be an int, got {type(max_capacity).__name__}")
         if max_capacity < 1:
             raise ValueError(f"max_capacity must be >= 1, got max_capacity={max_capacity}")
-        if not alpha >= 0:
-            raise ValueError(
-                f"alpha must be greater or equal than 0, got alpha={alpha}; use 0 for uniform"
-            )
-        if not beta >= 0:
-            raise ValueError(
-                f"beta must be greater or equal to 0, got beta={beta}; use 0 for no correction"
-            )
+        self._alpha_as_given, self._alpha = alpha, self._checked_alpha(alpha)
+        self._beta_as_given, self._beta = beta, self._checked_beta(beta)
+        eps = _scalar(eps, "eps")
+        upper_priority = _scalar(upper_priority, "upper_priority")
+        initial_priority = _scalar(initial_priority, "initial_priority")
         if not eps >= 0 or math.isinf(eps):
             raise ValueError(
                 f"eps must be a finite number >= 0, got eps={eps!r}; pass a small positive eps "
@@ -220,8 +247,6 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 f"dtype must be torch.float32 or torch.float64, got dtype={dtype}"
             )
         self._max_capacity = max_capacity
-        self._alpha = alpha
-        self._beta = beta
         self._eps = eps
         self.reduction = reduction
         self.dtype = dtype
@@ -276,6 +301,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fr_lock = threading.RLock()
+        for name in ("alpha", "beta"):  # scalars may be tensors in earlier pickles
+            self.__dict__.setdefault(f"_{name}_as_given", state[f"_{name}"])
+            setattr(self, f"_{name}", _scalar(state[f"_{name}"], name))
+        self._eps = _scalar(state["_eps"], "eps")
 
     @property
     def device(self) -> torch.device:
@@ -319,33 +348,67 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         """:attr:`default_priority` while nothing prioritised is stored."""
         return self._initial_priority
 
-    @property
-    def alpha(self) -> float:
-        """Priority exponent; setting it re-derives every stored mass from the raw priorities.
-
-        O(capacity), vectorized. Exact for any old value, including ``0`` (the raw priorities
-        are kept in their own tree), so annealing ``alpha`` keeps the trees consistent.
-        """
-        return self._alpha
-
-    @alpha.setter
-    @_locked
-    def alpha(self, value: float) -> None:
-        # Under the sampler's lock: a concurrent ``sample`` (e.g. a prefetch thread) sees the
-        # old or the new alpha, never half-rebuilt trees (weights above 1).
-        if not value >= 0:
+    @staticmethod
+    def _checked_alpha(value: Any) -> float:
+        """``alpha`` as a float; raises if it is not a number ``>= 0``."""
+        alpha = _scalar(value, "alpha")
+        if not alpha >= 0:
             raise ValueError(
                 f"alpha must be greater or equal than 0, got alpha={value}; use 0 for uniform"
             )
-        if value == self._alpha:
-            return
-        # The stored max, and what an emptied buffer falls back to (initial_priority).
-        fallback = min(self._initial_priority, self._upper_priority)
-        for p_max in (self._trees.max_raw(), self._default_value(), fallback):
-            self._check_mass(p_max, alpha=value, what="alpha")
-        self._alpha = value
-        raw = self._trees.raw()
-        self._trees.set_leaves(self._mass(raw), raw)
+        return alpha
+
+    @staticmethod
+    def _checked_beta(value: Any) -> float:
+        """``beta`` as a float; raises if it is not a number ``>= 0``."""
+        beta = _scalar(value, "beta")
+        if not beta >= 0:
+            raise ValueError(
+                f"beta must be greater or equal to 0, got beta={value}; use 0 for no correction"
+            )
+        return beta
+
+    @property
+    def alpha(self) -> Any:
+        """Priority exponent; setting it re-derives every stored mass from the raw priorities.
+
+        O(capacity), vectorized. Exact for any old value, including ``0`` (the raw priorities
+        are kept in their own tree), so annealing ``alpha`` keeps the trees consistent. Any
+        real scalar is accepted (e.g. the tensors TorchRL's parameter schedulers set) and
+        read back as given, as in TorchRL; the trees use it as a float.
+        """
+        return self._alpha_as_given
+
+    @alpha.setter
+    @_locked
+    def alpha(self, value: Any) -> None:
+        # Under the sampler's lock: a concurrent ``sample`` (e.g. a prefetch thread) sees the
+        # old or the new alpha, never half-rebuilt trees (weights above 1).
+        alpha = self._checked_alpha(value)
+        if alpha != self._alpha:
+            # The stored max, and what an emptied buffer falls back to (initial_priority).
+            fallback = min(self._initial_priority, self._upper_priority)
+            for p_max in (self._trees.max_raw(), self._default_value(), fallback):
+                self._check_mass(p_max, alpha=alpha, what="alpha")
+            self._alpha = alpha
+            raw = self._trees.raw()
+            self._trees.set_leaves(self._mass(raw), raw)
+        self._alpha_as_given = value
+
+    @property
+    def beta(self) -> Any:
+        """Importance-weight exponent, read back as given (any real scalar).
+
+        The constructor requires ``beta >= 0``; setting it later checks only that it is a
+        number, as TorchRL's setter does not check it either.
+        """
+        return self._beta_as_given
+
+    @beta.setter
+    @_locked
+    def beta(self, value: Any) -> None:
+        self._beta = _scalar(value, "beta")
+        self._beta_as_given = value
 
     def _default_value(self) -> float:
         """:attr:`default_priority` as a Python float (exact, float64). O(1)."""
@@ -796,7 +859,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 f"checkpoint dtype={metadata['dtype']!r} is not float32 or float64; "
                 "nothing was changed"
             )
-        return metadata, mass, raw
+        try:
+            scalars = {key: _scalar(metadata[key], key.lstrip("_")) for key in required[1:6]}
+        except TypeError as error:
+            raise CheckpointError(
+                f"{error}; the checkpoint is damaged; nothing was changed"
+            ) from error
+        return {**metadata, **scalars}, mass, raw
 
     def _restore(self, metadata: Any, mass: Any, raw: Any, source: str = "state dict") -> None:
         metadata, mass, raw = self._checked(metadata, mass, raw, source)
@@ -808,8 +877,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         raw = torch.cat(
             [raw.to(torch.float64), raw.new_full((pad,), -math.inf, dtype=torch.float64)]
         )
-        self._alpha = metadata["_alpha"]
-        self._beta = metadata["_beta"]
+        self._alpha = self._alpha_as_given = metadata["_alpha"]
+        self._beta = self._beta_as_given = metadata["_beta"]
         self._eps = metadata["_eps"]
         self._upper_priority = float(metadata["_upper_priority"])
         self._initial_priority = float(metadata["_initial_priority"])
