@@ -396,3 +396,30 @@ def test_scalars_of_every_kind_at_construction_and_in_updates(backend: str) -> N
     again = PrioritizedSampler(10, 0.1, 0.1, backend=backend)
     again.load_state_dict(sampler.state_dict())
     assert (again.alpha, again.beta, again._eps) == (1.0, 1.0, 1e-6)
+
+
+# ---------------------------------------------------------------- coordinates of the wrong length
+@pytest.mark.parametrize(
+    ("shape", "index"),
+    [((20,), [[1, 2], [3, 0]]), ((20, 3), [[1], [2]]), ((20, 3), [[1, 2, 0]])],
+)
+def test_coordinates_not_matching_the_storage_ndim_are_refused(
+    backend: str, shape: tuple[int, ...], index: list[list[int]]
+) -> None:
+    """A ``[k, c]`` index with ``c != storage.ndim`` raveled with a truncated shape would write
+    other slots: it raises ValueError (as TorchRL) naming the index, its shape and the fix."""
+    sampler = PrioritizedSampler(60, 1.0, 0.5, backend=backend)
+    storage = LazyTensorStorage(math.prod(shape), ndim=len(shape))
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler)
+    envs_by_steps = shape[::-1]  # an ndim=2 storage is [steps, envs]
+    rb.extend(TensorDict({"obs": torch.zeros(envs_by_steps)}, list(envs_by_steps)))
+    assert tuple(rb.storage.shape) == shape
+    before = [level.clone() for level in sampler._trees.levels]
+    coords = torch.tensor(index)
+    ndim = len(shape)
+    fix = rf"index of shape \({len(index)}, {len(index[0])}\).*ndim={ndim}.*\[k, {ndim}\]"
+    with pytest.raises(ValueError, match=fix):
+        rb.update_priority(coords, torch.full((len(index),), 7.0))
+    with pytest.raises(ValueError, match=fix):
+        sampler.mark_update(coords, storage=rb.storage)
+    assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))

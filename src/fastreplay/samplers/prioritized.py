@@ -509,7 +509,15 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                     f"index of shape {tuple(index.shape)} holds multi-dimensional coordinates: "
                     "pass storage=... so they can be flattened"
                 )
-            shape = torch.as_tensor(tuple(storage.shape)[: index.shape[-1]], device=self.device)
+            if index.shape[-1] != storage.ndim:
+                raise PriorityShapeError(
+                    f"index of shape {tuple(index.shape)} holds {index.shape[-1]} coordinates "
+                    f"per item, but the storage has ndim={storage.ndim} (shape "
+                    f"{tuple(storage.shape)}): pass flat indices (a 1-D tensor) or coordinates "
+                    f"of shape [k, {storage.ndim}] (the 'index' a sample returned); nothing was "
+                    "updated"
+                )
+            shape = torch.as_tensor(tuple(storage.shape), device=self.device)
             bad = ((index < 0) | (index >= shape)).any(-1)
             if bool(bad.any()):
                 raise ValueError(
@@ -520,7 +528,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             strides = torch.ones_like(shape)
             for dim in range(shape.numel() - 2, -1, -1):
                 strides[dim] = strides[dim + 1] * shape[dim + 1]
-            return (index * strides).sum(-1)
+            return (index * strides).sum(-1).reshape(-1)
         return index.reshape(-1)
 
     def _stored(self, storage: Storage | None) -> int:
