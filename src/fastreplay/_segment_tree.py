@@ -171,6 +171,16 @@ class PriorityTrees:
         """Boolean mask of the slots that hold a priority. O(capacity)."""
         return self.levels[0][2, : self.capacity] != _INF
 
+    def prefix(self, n: int) -> tuple[float, float]:
+        """``(sum, min)`` of the mass over slots ``[0, n)`` (min ``inf`` if none is written).
+
+        O(n), vectorized.
+        """
+        leaves = self.levels[0]
+        if n <= 0:
+            return 0.0, _INF
+        return leaves[0, :n].sum().item(), leaves[1, :n].amin().item()
+
     # ------------------------------------------------------------------ updates
     def update(
         self,

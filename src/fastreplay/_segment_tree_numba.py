@@ -58,6 +58,7 @@ from fastreplay._numba_kernels import (
     _check_and_write,
     _descend,
     _holds_max,
+    _prefix,
     _rebuild,
     _sample,
     _set_leaves,
@@ -185,6 +186,14 @@ class NumbaPriorityTrees:
         """Boolean mask of the slots that hold a priority. O(capacity)."""
         return self._data[2, : self.capacity] != _INF
 
+    def prefix(self, n: int) -> tuple[float, float]:
+        """``(sum, min)`` of the mass over slots ``[0, n)`` (min ``inf`` if none is written).
+
+        O(branching * log_B capacity).
+        """
+        s, mn = _prefix(self._tree, self._offsets, self.branching, int(n))
+        return float(s), float(mn)
+
     # ------------------------------------------------------------------ updates
     def _index(self, index: torch.Tensor) -> np.ndarray:
         index = torch.as_tensor(index).reshape(-1)
@@ -245,7 +254,8 @@ class NumbaPriorityTrees:
         self, index: np.ndarray, raw: np.ndarray, stored: int, eps: float, alpha: float, f32: bool
     ) -> tuple[int, float, bool]:
         """One pass over a priority write: ``(status, max priority, has -1 markers)``. O(k)."""
-        return _check(index, raw, stored, eps, alpha, f32)
+        status, p_max, marker, _ = _check(index, raw, stored, eps, alpha, f32)
+        return status, p_max, marker
 
     def write_priorities(
         self, index: np.ndarray, raw: np.ndarray, eps: float, alpha: float, f32: bool
@@ -263,16 +273,16 @@ class NumbaPriorityTrees:
         alpha: float,
         f32: bool,
         bound: float,
-    ) -> tuple[int, float]:
-        """Check a priority write and write it in one call: ``(status, max priority)``.
+    ) -> tuple[int, float, int]:
+        """Check a priority write and write it in one call: ``(status, max priority, max slot)``.
 
         O(k log k + k log_B capacity). Nothing is written unless the status is ``OK``; see
         :meth:`check_priorities` for the other statuses, and ``CHECK_MASS`` when the largest
-        mass ``(p + eps) ** alpha`` is not below ``bound``.
+        mass ``(p + eps) ** alpha`` is not below ``bound``. The max slot is ``-1`` if every
+        index is a ``-1`` marker.
         """
         args = (self._tree, self._offsets, self._sizes, self.branching)
-        status, p_max = _check_and_write(*args, index, raw, stored, eps, alpha, f32, bound)
-        return int(status), float(p_max)
+        return _check_and_write(*args, index, raw, stored, eps, alpha, f32, bound)
 
     def clear_if_holds_max(self, index: np.ndarray) -> None:
         """Clear leaves ``index`` (negatives skipped) if one of them holds the live max. O(k)."""
@@ -282,11 +292,22 @@ class NumbaPriorityTrees:
             _write(*args, valid, _CLEARED)
 
     def sample(
-        self, draw: np.ndarray, total: float, m_min: float, beta: float, f32: bool
+        self,
+        draw: np.ndarray,
+        total: float,
+        m_min: float,
+        beta: float,
+        f32: bool,
+        limit: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Leaves for uniform ``draw`` and their weights ``(mass / m_min) ** -beta``."""
+        """Leaves for uniform ``draw`` and their weights ``(mass / m_min) ** -beta``.
+
+        ``limit``: only leaves below it are drawn; ``total`` and ``m_min`` are then those of
+        :meth:`prefix` ``(limit)``. O(s log_B capacity).
+        """
+        limit = self.capacity if limit is None else limit
         index, weight = _sample(
-            self._tree, self._offsets, self.branching, draw, total, m_min, -beta, f32
+            self._tree, self._offsets, self.branching, draw, total, m_min, -beta, f32, limit
         )
         dtype = np.float32 if f32 else np.float64
         return torch.from_numpy(index), torch.from_numpy(weight.view(dtype))

@@ -423,3 +423,71 @@ def test_coordinates_not_matching_the_storage_ndim_are_refused(
     with pytest.raises(ValueError, match=fix):
         sampler.mark_update(coords, storage=rb.storage)
     assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
+
+
+# ---------------------------------------------------------------- priorities past the stored items
+def _stored_only_sampler(backend: str) -> tuple[PrioritizedSampler, trl.ReplayBuffer]:
+    sampler = PrioritizedSampler(64, 1.0, 0.5, eps=0.0, backend=backend)
+    rb = trl.ReplayBuffer(storage=LazyTensorStorage(64), sampler=sampler, batch_size=4000)
+    rb.extend(torch.arange(10))
+    sampler.update_priority(torch.arange(10), torch.arange(10) + 1.0)
+    return sampler, rb
+
+
+def test_a_priority_set_past_the_stored_items_is_never_sampled(backend: str) -> None:
+    """``update_priority`` without ``storage=`` on slot 50 while 10 items are stored: as in
+    TorchRL, sampling draws the stored items only, with their own probabilities and weights."""
+    sampler, rb = _stored_only_sampler(backend)
+    sampler.update_priority([50], 0.25)  # below every stored mass: must not enter m_min
+    raw = torch.arange(10) + 1.0
+    for _ in range(3):
+        data, info = rb.sample(return_info=True)
+        assert torch.equal(data, info["index"]) and int(data.max()) < 10
+        expected = (raw[info["index"]] / raw.min()) ** -0.5
+        torch.testing.assert_close(info["priority_weight"], expected)
+    counts = torch.bincount(torch.cat([rb.sample() for _ in range(5)]), minlength=10).double()
+    frequency, probability = counts / counts.sum(), raw / raw.sum()
+    assert ((frequency - probability).abs() < 5 * (probability / 20_000).sqrt()).all()
+    # As in TorchRL, the priority counts towards the default priority of new items...
+    sampler.update_priority([60], 1e3)
+    assert float(sampler.default_priority) == 1e3
+    rb.extend(torch.arange(10, 11))
+    assert sampler._trees.raw()[10] == 1e3
+    assert int(rb.sample().max()) <= 10
+    rb.extend(torch.arange(11, 51))  # ...until its slot is written: then it is a stored item
+    assert sampler._trees.raw()[50] == 1e3 and int(rb.sample().max()) == 50
+
+
+def test_a_rounding_overshoot_past_the_stored_items_stays_below_them(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draw that rounding pushes past ``len(storage)`` lands on the last stored slot with mass."""
+    sampler, rb = _stored_only_sampler(backend)
+    rb.extend(torch.arange(10, 12))  # slots 10 and 11: stored, priority 0 from now on
+    sampler.update_priority(torch.tensor([10, 11]), 0.0)
+    sampler.update_priority([50], 2.0)
+    total, m_min = sampler._trees.prefix(12)
+    assert total == 55.0 and m_min == 0.0
+    monkeypatch.setattr(sampler._trees, "prefix", lambda n: (2 * total, 1.0))  # overshoots
+    index, info = sampler.sample(rb.storage, 2000)
+    assert int(index.max()) == 9 and (index == 9).float().mean() > 0.4
+    torch.testing.assert_close(
+        info["priority_weight"][index == 9],
+        torch.full_like(info["priority_weight"][index == 9], 10.0**-0.5),
+    )
+
+
+@requires_torchrl_ext
+def test_a_priority_past_the_stored_items_as_in_torchrl(backend: str) -> None:
+    """Same calls on TorchRL's sampler: same sampled range, same default priority."""
+    theirs = trl.PrioritizedSampler(64, 1.0, 0.5, eps=0.0, max_priority_within_buffer=True)
+    ours = PrioritizedSampler(64, 1.0, 0.5, eps=0.0, backend=backend)
+    for sampler in (theirs, ours):
+        rb = trl.ReplayBuffer(storage=LazyTensorStorage(64), sampler=sampler, batch_size=500)
+        rb.extend(torch.arange(10))
+        sampler.update_priority(torch.arange(10), torch.arange(10) + 1.0)
+        sampler.update_priority([50], 1e3)
+        assert int(rb.sample().max()) < 10
+        assert float(sampler.default_priority) == 1e3
+        rb.extend(torch.arange(10, 11))
+        assert sampler._sum_tree[10] == 1e3

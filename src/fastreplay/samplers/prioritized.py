@@ -178,6 +178,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     rest. With ``eps=0`` such a buffer has no mass and ``sample`` raises; keep ``eps > 0`` or
     set ``upper_priority``/priorities above 0.
 
+    As in TorchRL, ``sample`` draws stored items only (slots below ``len(storage)``), also
+    after ``update_priority`` without ``storage=`` gave a priority to a slot past them; such a
+    priority counts towards :attr:`default_priority`, as in TorchRL, until its slot is written.
+
     Each copy (``copy.deepcopy``, ``pickle``, a ``multiprocessing`` queue) owns its trees:
     writing one never changes another.
 
@@ -275,12 +279,21 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._trees = self._new_trees(self._slots)
         self._all_time_max = -math.inf
         self._all_time_at: int | None = None
+        # Every written slot is below this: ``sample`` bounds its draw by ``len(storage)``
+        # only when it is larger (a priority set without ``storage`` past the stored items).
+        self._written_end = 0
+
+    def _find_written_end(self) -> int:
+        """One past the last slot holding a priority (0 if none). O(capacity)."""
+        written = self._trees.written().nonzero()
+        return int(written[-1]) + 1 if written.numel() else 0
 
     @_locked
     def _empty(self) -> None:
         self._trees.reset()
         self._all_time_max = -math.inf
         self._all_time_at = None
+        self._written_end = 0
 
     def _grow(self, slots: int) -> None:
         """Resize the trees to ``slots`` slots, keeping every priority. O(slots), vectorized."""
@@ -301,6 +314,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fr_lock = threading.RLock()
+        if "_written_end" not in state:  # pickled by an earlier version
+            self._written_end = self._find_written_end()
         for name in ("alpha", "beta"):  # scalars may be tensors in earlier pickles
             self.__dict__.setdefault(f"_{name}_as_given", state[f"_{name}"])
             setattr(self, f"_{name}", _scalar(state[f"_{name}"], name))
@@ -619,9 +634,11 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self._fused:  # numba: one call checks, then writes; no temporaries
             index_np, raw_np = flat.numpy(), raw.numpy()
             f32 = self.dtype == torch.float32
-            status, p_max = self._trees.check_and_write(
+            status, p_max, i_max = self._trees.check_and_write(
                 index_np, raw_np, stored, self._eps, self._alpha, f32, self._mass_bound()
             )
+            if i_max >= self._written_end:
+                self._written_end = i_max + 1
             if status == _CHECK_MASS:  # near the limit: the exact check raises or passes
                 self._check_mass(p_max, what="priority")
                 self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
@@ -633,7 +650,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             checked = self._validate(flat, raw, stored)
             p_max = -math.inf if checked is None else checked[2]
             if checked is not None:
-                self._write_torch(checked[0], checked[1])
+                self._write_torch(checked[0], checked[1], i_max=checked[3])
         else:
             # Chunks of at most capacity / 16 items bound the temporaries of a bulk write; all
             # chunks are checked before any is written, and later chunks overwrite earlier
@@ -649,7 +666,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 checked = self._validate(index, values.to(torch.float64), stored)
                 if checked is not None:
                     p_max = max(p_max, checked[2])
-                    self._write_torch(checked[0], checked[1], rebuild=False)
+                    self._write_torch(checked[0], checked[1], i_max=checked[3], rebuild=False)
             self._trees.rebuild()  # once, after the leaves of every chunk
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
             # Rare (a new all-time max): find its slot for the _max_priority view. O(k).
@@ -660,18 +677,26 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
     _bulk_chunk = 1 << 16  # smallest chunk of a bulk write on the torch backend
 
-    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor, *, rebuild: bool = True) -> None:
+    def _write_torch(
+        self, flat: torch.Tensor, raw: torch.Tensor, *, i_max: int, rebuild: bool = True
+    ) -> None:
         """Write checked float64 priorities (one per slot, or one for all) on the torch backend.
 
-        The trees resolve repeated slots themselves (the last occurrence wins).
-        ``rebuild=False`` writes the leaves only: the caller rebuilds after its last chunk.
+        The trees resolve repeated slots themselves (the last occurrence wins); ``i_max`` is
+        the largest slot of ``flat``. ``rebuild=False`` writes the leaves only: the caller
+        rebuilds after its last chunk.
         """
         self._trees.update(flat, self._mass(raw), raw, rebuild=rebuild)
+        self._written_end = max(self._written_end, i_max + 1)
 
     def _validate(
         self, flat: torch.Tensor, raw: torch.Tensor, stored: int
-    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, float, int] | None:
+        """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k).
+
+        Returns ``(flat, raw, max priority, max slot)`` for the entries to write, or ``None``
+        if every entry is a ``-1`` marker.
+        """
         # Two fused reductions validate the common (valid) case; ``raw`` may be one value.
         bounds = [*torch.aminmax(flat), *(torch.aminmax(raw) if raw.numel() > 1 else (raw, raw))]
         if flat.is_cpu:  # reading a CPU scalar is cheaper than stacking four
@@ -703,7 +728,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 )
             raise ValueError("; ".join(problems) + "; nothing was updated")
         self._check_mass(p_max, what="priority")  # the mass is monotone: check the largest
-        return flat, raw, p_max
+        return flat, raw, p_max, int(i_max)
 
     @_locked
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
@@ -739,7 +764,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             checked = self._validate(flat, zero, stored)
             if checked is None:
                 return
-            flat = checked[0]
+            flat, i_max = checked[0], checked[3]
         trees = self._trees
         # Clear the overwritten slots first if one of them holds the live max.
         within = self._max_priority_within_buffer
@@ -751,6 +776,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self.dtype == torch.float32:
             mass = float(np.float32(mass))
         trees.update(flat, mass, value)
+        self._written_end = max(self._written_end, int(i_max) + 1)
         if not within and value > self._all_time_max:
             self._all_time_at, self._all_time_max = int(flat[0]), value
 
@@ -765,11 +791,17 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             ``(m_i / m_min) ** -beta`` in ``dtype``.
         """
         self._maybe_init_from_storage(storage)
-        if len(storage) == 0:
+        stored = len(storage)
+        if stored == 0:
             raise RuntimeError(
                 "Cannot sample from an empty storage: extend the buffer before sampling."
             )
-        total, m_min = self._trees.total(), self._trees.min_mass()
+        limit = None
+        if self._written_end > stored:  # priorities set (without storage=) past the stored
+            limit = stored  # items: draw below len(storage) only, as TorchRL
+            total, m_min = self._trees.prefix(stored)
+        else:
+            total, m_min = self._trees.total(), self._trees.min_mass()
         if not total > 0:
             raise RuntimeError(
                 f"Cannot sample: the stored items have no sampling mass (sum of (p + eps) ** "
@@ -788,14 +820,30 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self._fused:  # one compiled pass: descent, leaf mass and weight
             f32 = self.dtype == torch.float32
             draw_np = draw.numpy() if rand_device.type == "cpu" else draw.cpu().numpy()
-            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32)
+            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32, limit)
         else:
             draw = draw if rand_device == self._trees.device else draw.to(self._trees.device)
             index, mass = self._trees.search_with_mass(draw.mul_(total))
+            if limit is not None:
+                index, mass = self._below(index, mass, limit)
             weight = torch.pow(mass / m_min, -self._beta).to(self.dtype)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
+
+    def _below(
+        self, index: torch.Tensor, mass: torch.Tensor, limit: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move drawn slots at or past ``limit`` (rounding) to the last one below with mass.
+
+        O(batch), plus O(limit) if a slot moves (rare).
+        """
+        over = index >= limit
+        if not bool(over.any()):
+            return index, mass
+        below = self._trees.leaf_mass()[:limit]
+        last = int(below.nonzero()[-1])
+        return torch.where(over, last, index), torch.where(over, below[last], mass)
 
     # ------------------------------------------------------------------ checkpoints
     def _metadata(self) -> dict[str, Any]:
@@ -896,6 +944,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._max_priority_within_buffer = bool(metadata["_max_priority_within_buffer"])
         self.dtype = getattr(torch, metadata["dtype"])
         self._trees.set_leaves(mass, raw)
+        self._written_end = self._find_written_end()
 
     @_locked
     def state_dict(self) -> dict[str, Any]:
