@@ -1,7 +1,9 @@
-"""``fastreplay.PrioritizedSampler``: TorchRL's PER sampler on pure-torch trees with a live max.
+"""``fastreplay.PrioritizedSampler``: TorchRL's PER sampler on fast segment trees with a live max.
 
-A thin adapter: the trees live in :mod:`fastreplay._segment_tree`; this module only maps
-TorchRL's sampler contract (arguments, index formats, ``mark_update``, checkpoints) onto them.
+A thin adapter: the trees live in :mod:`fastreplay._segment_tree` (pure torch) and
+:mod:`fastreplay._segment_tree_numba` (compiled loops, the default when numba is installed);
+this module only maps TorchRL's sampler contract (arguments, scalar types, index formats,
+``mark_update``, checkpoints) onto them.
 """
 
 from __future__ import annotations
@@ -134,13 +136,16 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
       O(log capacity) on every write, re-prioritisation or overwrite; ``upper_priority`` caps
       it and ``initial_priority`` is used while nothing prioritised is stored (pytorch/rl
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
-    * The trees are pure torch (CPU or CUDA, no compiled extension), batched:
+    * The trees need no compiled TorchRL extension. Two backends: numba's compiled loops on
+      the CPU (the default when numba is installed) and pure torch (CPU or CUDA, the
+      default without numba or for CUDA storages); ``backend`` picks one. Both are batched:
       ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
-      and indices outside the stored range raise :class:`ValueError` (a
-      :class:`PriorityShapeError`, also a :class:`RuntimeError` as in TorchRL, for shapes), a
-      priority whose mass overflows ``dtype`` raises :class:`PriorityOverflowError` (an
-      :class:`OverflowError`, as in TorchRL), and nothing changes.
+      (also coordinates whose count is not ``storage.ndim``) and indices outside the stored
+      range raise :class:`ValueError` (a :class:`PriorityShapeError`, also a
+      :class:`RuntimeError` as in TorchRL, for shapes), a priority whose mass overflows
+      ``dtype`` raises :class:`PriorityOverflowError` (an :class:`OverflowError`, as in
+      TorchRL), and nothing changes.
     * A storage with more slots than ``max_capacity`` (an ``ndim=2`` storage rounded up to a
       multiple of the number of envs, or a smaller ``max_capacity`` as TorchRL's tests use)
       grows the trees before its rows are prioritised: every stored row can be sampled.
