@@ -7,10 +7,17 @@ they are then never called (only constructing the trees needs numba).
 
 ``_prefetch`` hints the CPU to load a cache line without waiting for it: a search or update
 issues the loads of many independent nodes back to back, so their misses overlap.
+
+The kernels are cached on disk (numba's ``cache=True``: a ``__pycache__`` next to this module,
+the user's cache dir, or ``NUMBA_CACHE_DIR``). Where none of them is writable (a read-only
+install), they are compiled without a cache in every process instead, and one message on the
+``fastreplay`` logger says how to enable it (a logged message, not a warning: importing must
+keep working where warnings are errors).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -32,10 +39,32 @@ _AHEAD = 32
 OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW, CHECK_MASS = 0, 1, 2, 3, 4
 
 
+_LOG = logging.getLogger(__name__)
+_NO_CACHE = (
+    "numba cannot cache fastreplay's compiled kernels: neither the __pycache__ folder next to "
+    "%s nor the user's cache dir is writable, so every new process compiles them again (a few "
+    "seconds at first use). To cache them, set the environment variable "
+    "NUMBA_CACHE_DIR=/some/writable/dir before importing fastreplay."
+)
+_cache = True  # False once numba found no writable cache location (checked on the first kernel)
+
+
 def _jit(fn: Any = None, **options: Any) -> Any:
+    """``numba.njit(cache=True)``; without a cache where numba finds no writable location."""
+    global _cache
     if fn is None:
         return lambda f: _jit(f, **options)
-    return numba.njit(cache=True, **options)(fn) if numba is not None else fn
+    if numba is None:
+        return fn
+    if _cache:
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError as error:  # "cannot cache function ...: no locator available ..."
+            if "cannot cache" not in str(error):
+                raise
+            _cache = False
+            _LOG.warning(_NO_CACHE, __file__)
+    return numba.njit(**options)(fn)
 
 
 if numba is not None:
@@ -215,10 +244,42 @@ def _descend(tree, offsets, b, prefix):  # pragma: no cover - compiled
 
 
 @_jit
-def _sample(tree, offsets, b, draw, total, m_min, neg_beta, f32):  # pragma: no cover
-    """Leaves for ``draw * total`` and their weights ``(mass / m_min) ** neg_beta``."""
+def _prefix(tree, offsets, b, n):  # pragma: no cover - compiled
+    """``(sum, min)`` of the mass over the leaves ``[0, n)``; O(b log_b capacity).
+
+    Climbs from leaf ``n``: on each level the nodes left of the position inside its group,
+    then the group's parent, up to the root.
+    """
+    s = 0.0
+    mn = _INF
+    p = n
+    for level in range(offsets.size - 1):
+        off = offsets[level]
+        for j in range(p - p % b, p):
+            s += tree[0, off + j]
+            mn = min(mn, tree[1, off + j])
+        p //= b
+    if p > 0:  # every leaf: the root
+        s += tree[0, offsets[-1]]
+        mn = min(mn, tree[1, offsets[-1]])
+    return s, mn
+
+
+@_jit
+def _sample(tree, offsets, b, draw, total, m_min, neg_beta, f32, limit):  # pragma: no cover
+    """Leaves below ``limit`` for ``draw * total`` and their weights ``(mass / m_min) ** neg_beta``.
+
+    ``total`` is the mass of the leaves ``[0, limit)``; a rounding overshoot past ``limit``
+    steps back to the last leaf below it with positive mass.
+    """
     index = _descend(tree, offsets, b, draw * total)
     n = index.size
+    for q in range(n):
+        if index[q] >= limit:
+            j = limit - 1
+            while j > 0 and tree[0, j] == 0.0:
+                j -= 1
+            index[q] = j
     if f32:
         weight32 = np.empty(n, np.float32)
         for q in range(n):
@@ -232,28 +293,33 @@ def _sample(tree, offsets, b, draw, total, m_min, neg_beta, f32):  # pragma: no 
 
 @_jit
 def _check(index, raw, stored, eps, alpha, f32):  # pragma: no cover - compiled
-    """Validate a priority write in one pass: (status, max priority, holds a -1 marker)."""
+    """Validate a priority write in one pass.
+
+    Returns ``(status, max priority, holds a -1 marker, largest slot)``.
+    """
     one = raw.size == 1
     p_max = -_INF
     marker = False
+    i_max = -1
     for i in range(index.size):
         j = index[i]
         if j == -1:
             marker = True
             continue
         if j < 0 or j >= stored:
-            return BAD_INDEX, p_max, marker
+            return BAD_INDEX, p_max, marker, i_max
         p = np.float64(raw[0] if one else raw[i])
         if not (p >= 0.0 and p < _INF):
-            return BAD_PRIORITY, p_max, marker
+            return BAD_PRIORITY, p_max, marker, i_max
         p_max = max(p_max, p)
+        i_max = max(i_max, j)
     if p_max > -_INF:
         m = (p_max + eps) ** alpha  # the mass is monotone in p: check the largest one
         if f32:
             m = np.float64(np.float32(m))
         if not m < _INF:
-            return OVERFLOW, p_max, marker
-    return OK, p_max, marker
+            return OVERFLOW, p_max, marker, i_max
+    return OK, p_max, marker, i_max
 
 
 @_jit
@@ -283,17 +349,17 @@ def _check_and_write(
 ):  # pragma: no cover - compiled
     """:func:`_check`, then :func:`_write_priorities` if the largest mass is below ``bound``.
 
-    Returns ``(status, max priority)``; nothing is written unless the status is ``OK``.
-    ``CHECK_MASS``: the write is valid but its largest mass is not clearly below ``bound``,
-    so the caller decides (exactly) whether it fits before writing.
+    Returns ``(status, max priority, largest slot)``; nothing is written unless the status is
+    ``OK``. ``CHECK_MASS``: the write is valid but its largest mass is not clearly below
+    ``bound``, so the caller decides (exactly) whether it fits before writing.
     """
-    status, p_max, _ = _check(index, raw, stored, eps, alpha, f32)
+    status, p_max, _, i_max = _check(index, raw, stored, eps, alpha, f32)
     if status != OK:
-        return status, p_max
+        return status, p_max, i_max
     if p_max > -_INF and not (p_max + eps) ** alpha < bound:
-        return CHECK_MASS, p_max
+        return CHECK_MASS, p_max, i_max
     _write_priorities(tree, offsets, sizes, b, index, raw, eps, alpha, f32)
-    return OK, p_max
+    return OK, p_max, i_max
 
 
 @_jit

@@ -127,8 +127,10 @@ class PriorityTrees:
         self._scratch_out: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        keys = ("capacity", "branching", "device", "levels")
-        return {key: self.__dict__[key] for key in keys}
+        # Copies: pickling for another process (multiprocessing) would otherwise share the
+        # levels' memory, and the two processes' trees would write each other's. O(capacity).
+        state = {key: self.__dict__[key] for key in ("capacity", "branching", "device")}
+        return {**state, "levels": [level.clone() for level in self.levels]}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -168,6 +170,16 @@ class PriorityTrees:
     def written(self) -> torch.Tensor:
         """Boolean mask of the slots that hold a priority. O(capacity)."""
         return self.levels[0][2, : self.capacity] != _INF
+
+    def prefix(self, n: int) -> tuple[float, float]:
+        """``(sum, min)`` of the mass over slots ``[0, n)`` (min ``inf`` if none is written).
+
+        O(n), vectorized.
+        """
+        leaves = self.levels[0]
+        if n <= 0:
+            return 0.0, _INF
+        return leaves[0, :n].sum().item(), leaves[1, :n].amin().item()
 
     # ------------------------------------------------------------------ updates
     def update(

@@ -58,6 +58,7 @@ from fastreplay._numba_kernels import (
     _check_and_write,
     _descend,
     _holds_max,
+    _prefix,
     _rebuild,
     _sample,
     _set_leaves,
@@ -120,20 +121,29 @@ class NumbaPriorityTrees:
         self._sizes = np.asarray(sizes, dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(self._sizes)[:-1]]).astype(np.int64)
         columns = -(-int(self._sizes.sum()) // 8) * 8  # each row starts on a cache line
-        self._data = torch.empty(3, columns, dtype=torch.float64)
+        # The kernels hold the address of this NumPy array, which owns its memory: unlike a
+        # tensor's storage, nothing moves it (pickling a tensor for another process moves
+        # its storage to shared memory, which would leave a NumPy view of it dangling).
+        self._tree = np.empty((3, columns), dtype=np.float64)
         self._attach()
         self.reset()
 
     def _attach(self) -> None:
-        self._tree = self._data.numpy()
+        """Derive the tensor view of :attr:`_tree` (never pickled: it is rebuilt here)."""
+        self._data = torch.from_numpy(self._tree)
         self._root = int(self._offsets[-1])
 
     def __getstate__(self) -> dict[str, Any]:
+        # The NumPy array is pickled by value, so every copy (another process's included)
+        # owns its trees and this process's trees stay where they are. O(capacity).
         state = self.__dict__.copy()
-        state.pop("_tree")
+        state.pop("_data")
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_tree" not in state:  # pickled before the trees owned a NumPy array
+            state = {**state, "_tree": state["_data"].numpy().copy()}
+            state.pop("_data")
         self.__dict__.update(state)
         self._attach()
 
@@ -173,6 +183,14 @@ class NumbaPriorityTrees:
     def written(self) -> torch.Tensor:
         """Boolean mask of the slots that hold a priority. O(capacity)."""
         return self._data[2, : self.capacity] != _INF
+
+    def prefix(self, n: int) -> tuple[float, float]:
+        """``(sum, min)`` of the mass over slots ``[0, n)`` (min ``inf`` if none is written).
+
+        O(branching * log_B capacity).
+        """
+        s, mn = _prefix(self._tree, self._offsets, self.branching, int(n))
+        return float(s), float(mn)
 
     # ------------------------------------------------------------------ updates
     def _index(self, index: torch.Tensor) -> np.ndarray:
@@ -234,7 +252,8 @@ class NumbaPriorityTrees:
         self, index: np.ndarray, raw: np.ndarray, stored: int, eps: float, alpha: float, f32: bool
     ) -> tuple[int, float, bool]:
         """One pass over a priority write: ``(status, max priority, has -1 markers)``. O(k)."""
-        return _check(index, raw, stored, eps, alpha, f32)
+        status, p_max, marker, _ = _check(index, raw, stored, eps, alpha, f32)
+        return status, p_max, marker
 
     def write_priorities(
         self, index: np.ndarray, raw: np.ndarray, eps: float, alpha: float, f32: bool
@@ -252,16 +271,16 @@ class NumbaPriorityTrees:
         alpha: float,
         f32: bool,
         bound: float,
-    ) -> tuple[int, float]:
-        """Check a priority write and write it in one call: ``(status, max priority)``.
+    ) -> tuple[int, float, int]:
+        """Check a priority write and write it in one call: ``(status, max priority, max slot)``.
 
         O(k log k + k log_B capacity). Nothing is written unless the status is ``OK``; see
         :meth:`check_priorities` for the other statuses, and ``CHECK_MASS`` when the largest
-        mass ``(p + eps) ** alpha`` is not below ``bound``.
+        mass ``(p + eps) ** alpha`` is not below ``bound``. The max slot is ``-1`` if every
+        index is a ``-1`` marker.
         """
         args = (self._tree, self._offsets, self._sizes, self.branching)
-        status, p_max = _check_and_write(*args, index, raw, stored, eps, alpha, f32, bound)
-        return int(status), float(p_max)
+        return _check_and_write(*args, index, raw, stored, eps, alpha, f32, bound)
 
     def clear_if_holds_max(self, index: np.ndarray) -> None:
         """Clear leaves ``index`` (negatives skipped) if one of them holds the live max. O(k)."""
@@ -271,11 +290,22 @@ class NumbaPriorityTrees:
             _write(*args, valid, _CLEARED)
 
     def sample(
-        self, draw: np.ndarray, total: float, m_min: float, beta: float, f32: bool
+        self,
+        draw: np.ndarray,
+        total: float,
+        m_min: float,
+        beta: float,
+        f32: bool,
+        limit: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Leaves for uniform ``draw`` and their weights ``(mass / m_min) ** -beta``."""
+        """Leaves for uniform ``draw`` and their weights ``(mass / m_min) ** -beta``.
+
+        ``limit``: only leaves below it are drawn; ``total`` and ``m_min`` are then those of
+        :meth:`prefix` ``(limit)``. O(s log_B capacity).
+        """
+        limit = self.capacity if limit is None else limit
         index, weight = _sample(
-            self._tree, self._offsets, self.branching, draw, total, m_min, -beta, f32
+            self._tree, self._offsets, self.branching, draw, total, m_min, -beta, f32, limit
         )
         dtype = np.float32 if f32 else np.float64
         return torch.from_numpy(index), torch.from_numpy(weight.view(dtype))

@@ -178,6 +178,26 @@ def test_usage_errors(per_impl) -> None:
         sampler.update_priority(torch.tensor([[0, 1]]), torch.tensor([1.0]))
 
 
+@pytest.mark.parametrize(
+    ("shape", "index"),
+    [((20,), [[1, 2], [3, 0]]), ((20, 3), [[1], [2]]), ((20, 3), [[1, 2, 0]])],
+)
+def test_coordinates_not_matching_the_storage_ndim_raise_value_error(
+    per_impl, shape: tuple[int, ...], index: list[list[int]]
+) -> None:
+    """``[k, c]`` coordinates with ``c != storage.ndim``: ValueError, nothing is written."""
+    size = int(np.prod(shape))
+    sampler = _sampler(per_impl, size)
+    rb = _buffer(per_impl, LazyTensorStorage(size, ndim=len(shape)), sampler)
+    envs_by_steps = shape[::-1]  # an ndim=2 storage is [steps, envs]
+    rb.extend(TensorDict({"obs": torch.zeros(envs_by_steps)}, list(envs_by_steps)))
+    assert tuple(rb.storage.shape) == shape
+    before = _tree(sampler, size)
+    with pytest.raises(ValueError):
+        rb.update_priority(torch.tensor(index), torch.full((len(index),), 7.0))
+    assert torch.equal(_tree(sampler, size), before)
+
+
 # ---------------------------------------------------------------- storages larger than the trees
 def test_ndim2_storage_rounded_up_to_the_number_of_envs(per_impl) -> None:
     """``LazyTensorStorage(50, ndim=2)`` with 3 envs holds 51 slots; the last row is sampled."""

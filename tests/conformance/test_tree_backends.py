@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torchrl.data as trl
@@ -313,3 +314,180 @@ def test_a_move_that_fails_changes_nothing() -> None:
     assert sampler.device == torch.device("cpu") and sampler._device is None
     sampler.update_priority(torch.tensor([1]), torch.tensor([2.0]))  # still usable
     assert sampler._trees.raw()[1] == 2.0
+
+
+# ---------------------------------------------------------------- scalars of every kind
+def _assert_masses_and_weights(sampler: PrioritizedSampler, rb, raw: torch.Tensor) -> None:
+    """The stored masses are ``(p + eps) ** alpha`` and sampled weights ``(m / m_min) ** -beta``
+    for the current (float) ``alpha``/``beta``: a brute-force check of the whole state."""
+    alpha, beta, eps = (float(getattr(sampler, name)) for name in ("alpha", "beta", "_eps"))
+    mass = ((raw.double() + eps) ** alpha).float().double()
+    torch.testing.assert_close(sampler._trees.leaf_mass()[: raw.numel()], mass)
+    _, info = rb.sample(64, return_info=True)
+    expected = (mass[info["index"]] / mass.min()) ** -beta
+    torch.testing.assert_close(info["priority_weight"], expected.float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("alpha", "beta"), [(torch.tensor(1.0), torch.tensor(0.1)), (0.6, 0.7)])
+def test_torchrl_parameter_schedulers(backend: str, alpha, beta) -> None:
+    """TorchRL's LinearScheduler/StepScheduler set ``alpha``/``beta`` to tensors (or NumPy
+    floats): sampling and writing keep working, with the scheduled values, read back as set."""
+    from torchrl.data.replay_buffers.scheduler import LinearScheduler, SchedulerList, StepScheduler
+
+    sampler = PrioritizedSampler(100, alpha, beta, backend=backend)
+    rb = _buffer(sampler, 100)
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.rand(60, generator=gen) + 0.1
+    rb.extend(_rows(0, 60, raw))
+    schedulers = SchedulerList(
+        [
+            LinearScheduler(rb, param_name="alpha", final_value=0.2, num_steps=5),
+            StepScheduler(rb, "beta", gamma=0.1, n_steps=2, max_value=1.4, mode="additive"),
+        ]
+    )
+    expected_alpha = torch.linspace(float(alpha), 0.2, 6).tolist() + [0.2] * 2
+    for step in range(8):
+        assert float(sampler.alpha) == pytest.approx(expected_alpha[step], rel=1e-6)
+        _assert_masses_and_weights(sampler, rb, raw)
+        more = torch.rand(4, generator=gen) + 0.1
+        rb.extend(_rows(60 + 4 * step, 4, more))  # mark_update, then update_priority
+        raw = torch.cat([raw, more])
+        schedulers.step()
+    assert float(sampler.beta) == pytest.approx(float(beta) + 0.4, rel=1e-6)
+    # read back as the schedulers set them, as in TorchRL: tensors, or NumPy floats
+    kind = torch.Tensor if isinstance(alpha, torch.Tensor) else np.floating
+    assert isinstance(sampler.alpha, kind) and isinstance(sampler.beta, kind)
+
+
+def test_scalars_of_every_kind_at_construction_and_in_updates(backend: str) -> None:
+    """0-dim tensors, NumPy scalars and ints wherever a number goes: construction, setters,
+    priorities; the trees get plain floats and ``alpha``/``beta`` read back as given."""
+    sampler = PrioritizedSampler(
+        10,
+        alpha=torch.tensor(0.6),
+        beta=np.float32(0.4),
+        eps=torch.tensor(1e-6, dtype=torch.float64),
+        upper_priority=np.float64(50.0),
+        initial_priority=torch.tensor(2),
+        backend=backend,
+    )
+    assert isinstance(sampler.alpha, torch.Tensor) and isinstance(sampler.beta, np.float32)
+    assert sampler.default_priority == 2.0 and sampler.upper_priority == 50.0
+    rb = _buffer(sampler, 10)
+    rb.extend(_rows(0, 6))
+    sampler.update_priority(1, np.float32(3.0))
+    sampler.update_priority(torch.tensor([2, 3]), np.float64(4.0))
+    sampler.update_priority(torch.tensor(4), torch.tensor(5))  # 0-dim index, int priority
+    sampler.update_priority(np.int64(5), 6)
+    raw = torch.tensor([2.0, 3.0, 4.0, 4.0, 5.0, 6.0])
+    _assert_masses_and_weights(sampler, rb, raw)
+    sampler.alpha, sampler.beta = np.float64(0.9), torch.tensor(0.8, dtype=torch.float64)
+    _assert_masses_and_weights(sampler, rb, raw)
+    sampler.alpha, sampler.beta = 1, True  # ints and bools are numbers too
+    _assert_masses_and_weights(sampler, rb, raw)
+    for bad in ("0.5", torch.tensor([0.5, 0.6]), 1j):
+        with pytest.raises(TypeError, match=r"alpha must be a real number.*got alpha="):
+            sampler.alpha = bad
+        with pytest.raises(TypeError, match=r"beta must be a real number"):
+            PrioritizedSampler(10, 0.5, bad, backend=backend)
+    with pytest.raises(ValueError, match=r"alpha must be greater or equal than 0"):
+        sampler.alpha = torch.tensor(-0.5)
+    assert sampler.alpha == 1
+    again = PrioritizedSampler(10, 0.1, 0.1, backend=backend)
+    again.load_state_dict(sampler.state_dict())
+    assert (again.alpha, again.beta, again._eps) == (1.0, 1.0, 1e-6)
+
+
+# ---------------------------------------------------------------- coordinates of the wrong length
+@pytest.mark.parametrize(
+    ("shape", "index"),
+    [((20,), [[1, 2], [3, 0]]), ((20, 3), [[1], [2]]), ((20, 3), [[1, 2, 0]])],
+)
+def test_coordinates_not_matching_the_storage_ndim_are_refused(
+    backend: str, shape: tuple[int, ...], index: list[list[int]]
+) -> None:
+    """A ``[k, c]`` index with ``c != storage.ndim`` raveled with a truncated shape would write
+    other slots: it raises ValueError (as TorchRL) naming the index, its shape and the fix."""
+    sampler = PrioritizedSampler(60, 1.0, 0.5, backend=backend)
+    storage = LazyTensorStorage(math.prod(shape), ndim=len(shape))
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler)
+    envs_by_steps = shape[::-1]  # an ndim=2 storage is [steps, envs]
+    rb.extend(TensorDict({"obs": torch.zeros(envs_by_steps)}, list(envs_by_steps)))
+    assert tuple(rb.storage.shape) == shape
+    before = [level.clone() for level in sampler._trees.levels]
+    coords = torch.tensor(index)
+    ndim = len(shape)
+    fix = rf"index of shape \({len(index)}, {len(index[0])}\).*ndim={ndim}.*\[k, {ndim}\]"
+    with pytest.raises(ValueError, match=fix):
+        rb.update_priority(coords, torch.full((len(index),), 7.0))
+    with pytest.raises(ValueError, match=fix):
+        sampler.mark_update(coords, storage=rb.storage)
+    assert all(torch.equal(a, b) for a, b in zip(before, sampler._trees.levels, strict=True))
+
+
+# ---------------------------------------------------------------- priorities past the stored items
+def _stored_only_sampler(backend: str) -> tuple[PrioritizedSampler, trl.ReplayBuffer]:
+    sampler = PrioritizedSampler(64, 1.0, 0.5, eps=0.0, backend=backend)
+    rb = trl.ReplayBuffer(storage=LazyTensorStorage(64), sampler=sampler, batch_size=4000)
+    rb.extend(torch.arange(10))
+    sampler.update_priority(torch.arange(10), torch.arange(10) + 1.0)
+    return sampler, rb
+
+
+def test_a_priority_set_past_the_stored_items_is_never_sampled(backend: str) -> None:
+    """``update_priority`` without ``storage=`` on slot 50 while 10 items are stored: as in
+    TorchRL, sampling draws the stored items only, with their own probabilities and weights."""
+    sampler, rb = _stored_only_sampler(backend)
+    sampler.update_priority([50], 0.25)  # below every stored mass: must not enter m_min
+    raw = torch.arange(10) + 1.0
+    for _ in range(3):
+        data, info = rb.sample(return_info=True)
+        assert torch.equal(data, info["index"]) and int(data.max()) < 10
+        expected = (raw[info["index"]] / raw.min()) ** -0.5
+        torch.testing.assert_close(info["priority_weight"], expected)
+    counts = torch.bincount(torch.cat([rb.sample() for _ in range(5)]), minlength=10).double()
+    frequency, probability = counts / counts.sum(), raw / raw.sum()
+    assert ((frequency - probability).abs() < 5 * (probability / 20_000).sqrt()).all()
+    # As in TorchRL, the priority counts towards the default priority of new items...
+    sampler.update_priority([60], 1e3)
+    assert float(sampler.default_priority) == 1e3
+    rb.extend(torch.arange(10, 11))
+    assert sampler._trees.raw()[10] == 1e3
+    assert int(rb.sample().max()) <= 10
+    rb.extend(torch.arange(11, 51))  # ...until its slot is written: then it is a stored item
+    assert sampler._trees.raw()[50] == 1e3 and int(rb.sample().max()) == 50
+
+
+def test_a_rounding_overshoot_past_the_stored_items_stays_below_them(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draw that rounding pushes past ``len(storage)`` lands on the last stored slot with mass."""
+    sampler, rb = _stored_only_sampler(backend)
+    rb.extend(torch.arange(10, 12))  # slots 10 and 11: stored, priority 0 from now on
+    sampler.update_priority(torch.tensor([10, 11]), 0.0)
+    sampler.update_priority([50], 2.0)
+    total, m_min = sampler._trees.prefix(12)
+    assert total == 55.0 and m_min == 0.0
+    monkeypatch.setattr(sampler._trees, "prefix", lambda n: (2 * total, 1.0))  # overshoots
+    index, info = sampler.sample(rb.storage, 2000)
+    assert int(index.max()) == 9 and (index == 9).float().mean() > 0.4
+    torch.testing.assert_close(
+        info["priority_weight"][index == 9],
+        torch.full_like(info["priority_weight"][index == 9], 10.0**-0.5),
+    )
+
+
+@requires_torchrl_ext
+def test_a_priority_past_the_stored_items_as_in_torchrl(backend: str) -> None:
+    """Same calls on TorchRL's sampler: same sampled range, same default priority."""
+    theirs = trl.PrioritizedSampler(64, 1.0, 0.5, eps=0.0, max_priority_within_buffer=True)
+    ours = PrioritizedSampler(64, 1.0, 0.5, eps=0.0, backend=backend)
+    for sampler in (theirs, ours):
+        rb = trl.ReplayBuffer(storage=LazyTensorStorage(64), sampler=sampler, batch_size=500)
+        rb.extend(torch.arange(10))
+        sampler.update_priority(torch.arange(10), torch.arange(10) + 1.0)
+        sampler.update_priority([50], 1e3)
+        assert int(rb.sample().max()) < 10
+        assert float(sampler.default_priority) == 1e3
+        rb.extend(torch.arange(10, 11))
+        assert sampler._sum_tree[10] == 1e3

@@ -1,7 +1,9 @@
-"""``fastreplay.PrioritizedSampler``: TorchRL's PER sampler on pure-torch trees with a live max.
+"""``fastreplay.PrioritizedSampler``: TorchRL's PER sampler on fast segment trees with a live max.
 
-A thin adapter: the trees live in :mod:`fastreplay._segment_tree`; this module only maps
-TorchRL's sampler contract (arguments, index formats, ``mark_update``, checkpoints) onto them.
+A thin adapter: the trees live in :mod:`fastreplay._segment_tree` (pure torch) and
+:mod:`fastreplay._segment_tree_numba` (compiled loops, the default when numba is installed);
+this module only maps TorchRL's sampler contract (arguments, scalar types, index formats,
+``mark_update``, checkpoints) onto them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 import sys
 import threading
 from collections.abc import Callable
@@ -87,6 +90,31 @@ def _locked(method: _Method) -> _Method:
     return wrapper  # type: ignore[return-value]
 
 
+def _scalar(value: Any, name: str) -> float:
+    """``value`` as a Python float: every number TorchRL accepts for ``name``. O(1).
+
+    A Python ``int``/``float``/``bool``, a NumPy scalar, or a one-element tensor or array
+    (``torch.tensor(0.6)``, as TorchRL's parameter schedulers set). The compiled kernels
+    take Python floats only, so every scalar is converted here, once, where it enters.
+
+    Raises:
+        TypeError: anything else (a string, a complex number, several elements), naming
+            ``name`` and showing the value.
+    """
+    if type(value) is float:  # hot path
+        return value
+    if isinstance(value, (np.ndarray, np.generic)) and value.size == 1:
+        value = value.item()
+    elif isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()  # one host sync for a CUDA tensor, here and only here
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(
+        f"{name} must be a real number (a float, an int, a NumPy scalar or a one-element "
+        f"tensor), got {name}={value!r} of type {type(value).__name__}"
+    )
+
+
 def _show(index: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, limit: int = 5) -> str:
     """``"index 3: nan, index 7: -1.0"`` for the first ``limit`` entries where ``mask``."""
     where = mask.nonzero().flatten()
@@ -108,13 +136,16 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
       O(log capacity) on every write, re-prioritisation or overwrite; ``upper_priority`` caps
       it and ``initial_priority`` is used while nothing prioritised is stored (pytorch/rl
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
-    * The trees are pure torch (CPU or CUDA, no compiled extension), batched:
+    * The trees need no compiled TorchRL extension. Two backends: numba's compiled loops on
+      the CPU (the default when numba is installed) and pure torch (CPU or CUDA, the
+      default without numba or for CUDA storages); ``backend`` picks one. Both are batched:
       ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
-      and indices outside the stored range raise :class:`ValueError` (a
-      :class:`PriorityShapeError`, also a :class:`RuntimeError` as in TorchRL, for shapes), a
-      priority whose mass overflows ``dtype`` raises :class:`PriorityOverflowError` (an
-      :class:`OverflowError`, as in TorchRL), and nothing changes.
+      (also coordinates whose count is not ``storage.ndim``) and indices outside the stored
+      range raise :class:`ValueError` (a :class:`PriorityShapeError`, also a
+      :class:`RuntimeError` as in TorchRL, for shapes), a priority whose mass overflows
+      ``dtype`` raises :class:`PriorityOverflowError` (an :class:`OverflowError`, as in
+      TorchRL), and nothing changes.
     * A storage with more slots than ``max_capacity`` (an ``ndim=2`` storage rounded up to a
       multiple of the number of envs, or a smaller ``max_capacity`` as TorchRL's tests use)
       grows the trees before its rows are prioritised: every stored row can be sampled.
@@ -131,6 +162,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         alpha: priority exponent, ``>= 0`` (0 is uniform sampling).
         beta: importance-weight exponent, ``>= 0``.
         eps: added to every priority before the exponent. Defaults to ``1e-8``.
+
+            ``alpha``, ``beta``, ``eps`` and the priorities below can be any real scalar:
+            a Python number, a NumPy scalar or a one-element tensor (``torch.tensor(0.6)``);
+            ``alpha`` and ``beta`` read back as they were given.
         dtype: ``torch.float32`` or ``torch.float64``: the precision of the sampling mass
             ``(p + eps) ** alpha`` (computed in float64, then rounded) and of the returned
             weights. Internal sums are float64 either way.
@@ -147,6 +182,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     0 too and are sampled through ``eps`` alone (mass ``eps ** alpha``), uniformly with the
     rest. With ``eps=0`` such a buffer has no mass and ``sample`` raises; keep ``eps > 0`` or
     set ``upper_priority``/priorities above 0.
+
+    As in TorchRL, ``sample`` draws stored items only (slots below ``len(storage)``), also
+    after ``update_priority`` without ``storage=`` gave a priority to a slot past them; such a
+    priority counts towards :attr:`default_priority`, as in TorchRL, until its slot is written.
+
+    Each copy (``copy.deepcopy``, ``pickle``, a ``multiprocessing`` queue) owns its trees:
+    writing one never changes another.
 
     Example:
         >>> import torch
@@ -192,14 +234,11 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             raise TypeError(f"max_capacity must be an int, got {type(max_capacity).__name__}")
         if max_capacity < 1:
             raise ValueError(f"max_capacity must be >= 1, got max_capacity={max_capacity}")
-        if not alpha >= 0:
-            raise ValueError(
-                f"alpha must be greater or equal than 0, got alpha={alpha}; use 0 for uniform"
-            )
-        if not beta >= 0:
-            raise ValueError(
-                f"beta must be greater or equal to 0, got beta={beta}; use 0 for no correction"
-            )
+        self._alpha_as_given, self._alpha = alpha, self._checked_alpha(alpha)
+        self._beta_as_given, self._beta = beta, self._checked_beta(beta)
+        eps = _scalar(eps, "eps")
+        upper_priority = _scalar(upper_priority, "upper_priority")
+        initial_priority = _scalar(initial_priority, "initial_priority")
         if not eps >= 0 or math.isinf(eps):
             raise ValueError(
                 f"eps must be a finite number >= 0, got eps={eps!r}; pass a small positive eps "
@@ -217,8 +256,6 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 f"dtype must be torch.float32 or torch.float64, got dtype={dtype}"
             )
         self._max_capacity = max_capacity
-        self._alpha = alpha
-        self._beta = beta
         self._eps = eps
         self.reduction = reduction
         self.dtype = dtype
@@ -247,12 +284,21 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._trees = self._new_trees(self._slots)
         self._all_time_max = -math.inf
         self._all_time_at: int | None = None
+        # Every written slot is below this: ``sample`` bounds its draw by ``len(storage)``
+        # only when it is larger (a priority set without ``storage`` past the stored items).
+        self._written_end = 0
+
+    def _find_written_end(self) -> int:
+        """One past the last slot holding a priority (0 if none). O(capacity)."""
+        written = self._trees.written().nonzero()
+        return int(written[-1]) + 1 if written.numel() else 0
 
     @_locked
     def _empty(self) -> None:
         self._trees.reset()
         self._all_time_max = -math.inf
         self._all_time_at = None
+        self._written_end = 0
 
     def _grow(self, slots: int) -> None:
         """Resize the trees to ``slots`` slots, keeping every priority. O(slots), vectorized."""
@@ -273,6 +319,12 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fr_lock = threading.RLock()
+        if "_written_end" not in state:  # pickled by an earlier version
+            self._written_end = self._find_written_end()
+        for name in ("alpha", "beta"):  # scalars may be tensors in earlier pickles
+            self.__dict__.setdefault(f"_{name}_as_given", state[f"_{name}"])
+            setattr(self, f"_{name}", _scalar(state[f"_{name}"], name))
+        self._eps = _scalar(state["_eps"], "eps")
 
     @property
     def device(self) -> torch.device:
@@ -316,33 +368,67 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         """:attr:`default_priority` while nothing prioritised is stored."""
         return self._initial_priority
 
-    @property
-    def alpha(self) -> float:
-        """Priority exponent; setting it re-derives every stored mass from the raw priorities.
-
-        O(capacity), vectorized. Exact for any old value, including ``0`` (the raw priorities
-        are kept in their own tree), so annealing ``alpha`` keeps the trees consistent.
-        """
-        return self._alpha
-
-    @alpha.setter
-    @_locked
-    def alpha(self, value: float) -> None:
-        # Under the sampler's lock: a concurrent ``sample`` (e.g. a prefetch thread) sees the
-        # old or the new alpha, never half-rebuilt trees (weights above 1).
-        if not value >= 0:
+    @staticmethod
+    def _checked_alpha(value: Any) -> float:
+        """``alpha`` as a float; raises if it is not a number ``>= 0``."""
+        alpha = _scalar(value, "alpha")
+        if not alpha >= 0:
             raise ValueError(
                 f"alpha must be greater or equal than 0, got alpha={value}; use 0 for uniform"
             )
-        if value == self._alpha:
-            return
-        # The stored max, and what an emptied buffer falls back to (initial_priority).
-        fallback = min(self._initial_priority, self._upper_priority)
-        for p_max in (self._trees.max_raw(), self._default_value(), fallback):
-            self._check_mass(p_max, alpha=value, what="alpha")
-        self._alpha = value
-        raw = self._trees.raw()
-        self._trees.set_leaves(self._mass(raw), raw)
+        return alpha
+
+    @staticmethod
+    def _checked_beta(value: Any) -> float:
+        """``beta`` as a float; raises if it is not a number ``>= 0``."""
+        beta = _scalar(value, "beta")
+        if not beta >= 0:
+            raise ValueError(
+                f"beta must be greater or equal to 0, got beta={value}; use 0 for no correction"
+            )
+        return beta
+
+    @property
+    def alpha(self) -> Any:
+        """Priority exponent; setting it re-derives every stored mass from the raw priorities.
+
+        O(capacity), vectorized. Exact for any old value, including ``0`` (the raw priorities
+        are kept in their own tree), so annealing ``alpha`` keeps the trees consistent. Any
+        real scalar is accepted (e.g. the tensors TorchRL's parameter schedulers set) and
+        read back as given, as in TorchRL; the trees use it as a float.
+        """
+        return self._alpha_as_given
+
+    @alpha.setter
+    @_locked
+    def alpha(self, value: Any) -> None:
+        # Under the sampler's lock: a concurrent ``sample`` (e.g. a prefetch thread) sees the
+        # old or the new alpha, never half-rebuilt trees (weights above 1).
+        alpha = self._checked_alpha(value)
+        if alpha != self._alpha:
+            # The stored max, and what an emptied buffer falls back to (initial_priority).
+            fallback = min(self._initial_priority, self._upper_priority)
+            for p_max in (self._trees.max_raw(), self._default_value(), fallback):
+                self._check_mass(p_max, alpha=alpha, what="alpha")
+            self._alpha = alpha
+            raw = self._trees.raw()
+            self._trees.set_leaves(self._mass(raw), raw)
+        self._alpha_as_given = value
+
+    @property
+    def beta(self) -> Any:
+        """Importance-weight exponent, read back as given (any real scalar).
+
+        The constructor requires ``beta >= 0``; setting it later checks only that it is a
+        number, as TorchRL's setter does not check it either.
+        """
+        return self._beta_as_given
+
+    @beta.setter
+    @_locked
+    def beta(self, value: Any) -> None:
+        self._beta = _scalar(value, "beta")
+        self._beta_as_given = value
 
     def _default_value(self) -> float:
         """:attr:`default_priority` as a Python float (exact, float64). O(1)."""
@@ -443,7 +529,15 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                     f"index of shape {tuple(index.shape)} holds multi-dimensional coordinates: "
                     "pass storage=... so they can be flattened"
                 )
-            shape = torch.as_tensor(tuple(storage.shape)[: index.shape[-1]], device=self.device)
+            if index.shape[-1] != storage.ndim:
+                raise PriorityShapeError(
+                    f"index of shape {tuple(index.shape)} holds {index.shape[-1]} coordinates "
+                    f"per item, but the storage has ndim={storage.ndim} (shape "
+                    f"{tuple(storage.shape)}): pass flat indices (a 1-D tensor) or coordinates "
+                    f"of shape [k, {storage.ndim}] (the 'index' a sample returned); nothing was "
+                    "updated"
+                )
+            shape = torch.as_tensor(tuple(storage.shape), device=self.device)
             bad = ((index < 0) | (index >= shape)).any(-1)
             if bool(bad.any()):
                 raise ValueError(
@@ -454,7 +548,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             strides = torch.ones_like(shape)
             for dim in range(shape.numel() - 2, -1, -1):
                 strides[dim] = strides[dim + 1] * shape[dim + 1]
-            return (index * strides).sum(-1)
+            return (index * strides).sum(-1).reshape(-1)
         return index.reshape(-1)
 
     def _stored(self, storage: Storage | None) -> int:
@@ -545,9 +639,11 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self._fused:  # numba: one call checks, then writes; no temporaries
             index_np, raw_np = flat.numpy(), raw.numpy()
             f32 = self.dtype == torch.float32
-            status, p_max = self._trees.check_and_write(
+            status, p_max, i_max = self._trees.check_and_write(
                 index_np, raw_np, stored, self._eps, self._alpha, f32, self._mass_bound()
             )
+            if i_max >= self._written_end:
+                self._written_end = i_max + 1
             if status == _CHECK_MASS:  # near the limit: the exact check raises or passes
                 self._check_mass(p_max, what="priority")
                 self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
@@ -559,7 +655,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             checked = self._validate(flat, raw, stored)
             p_max = -math.inf if checked is None else checked[2]
             if checked is not None:
-                self._write_torch(checked[0], checked[1])
+                self._write_torch(checked[0], checked[1], i_max=checked[3])
         else:
             # Chunks of at most capacity / 16 items bound the temporaries of a bulk write; all
             # chunks are checked before any is written, and later chunks overwrite earlier
@@ -575,7 +671,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 checked = self._validate(index, values.to(torch.float64), stored)
                 if checked is not None:
                     p_max = max(p_max, checked[2])
-                    self._write_torch(checked[0], checked[1], rebuild=False)
+                    self._write_torch(checked[0], checked[1], i_max=checked[3], rebuild=False)
             self._trees.rebuild()  # once, after the leaves of every chunk
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
             # Rare (a new all-time max): find its slot for the _max_priority view. O(k).
@@ -586,18 +682,26 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
     _bulk_chunk = 1 << 16  # smallest chunk of a bulk write on the torch backend
 
-    def _write_torch(self, flat: torch.Tensor, raw: torch.Tensor, *, rebuild: bool = True) -> None:
+    def _write_torch(
+        self, flat: torch.Tensor, raw: torch.Tensor, *, i_max: int, rebuild: bool = True
+    ) -> None:
         """Write checked float64 priorities (one per slot, or one for all) on the torch backend.
 
-        The trees resolve repeated slots themselves (the last occurrence wins).
-        ``rebuild=False`` writes the leaves only: the caller rebuilds after its last chunk.
+        The trees resolve repeated slots themselves (the last occurrence wins); ``i_max`` is
+        the largest slot of ``flat``. ``rebuild=False`` writes the leaves only: the caller
+        rebuilds after its last chunk.
         """
         self._trees.update(flat, self._mass(raw), raw, rebuild=rebuild)
+        self._written_end = max(self._written_end, i_max + 1)
 
     def _validate(
         self, flat: torch.Tensor, raw: torch.Tensor, stored: int
-    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-        """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, float, int] | None:
+        """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k).
+
+        Returns ``(flat, raw, max priority, max slot)`` for the entries to write, or ``None``
+        if every entry is a ``-1`` marker.
+        """
         # Two fused reductions validate the common (valid) case; ``raw`` may be one value.
         bounds = [*torch.aminmax(flat), *(torch.aminmax(raw) if raw.numel() > 1 else (raw, raw))]
         if flat.is_cpu:  # reading a CPU scalar is cheaper than stacking four
@@ -629,7 +733,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 )
             raise ValueError("; ".join(problems) + "; nothing was updated")
         self._check_mass(p_max, what="priority")  # the mass is monotone: check the largest
-        return flat, raw, p_max
+        return flat, raw, p_max, int(i_max)
 
     @_locked
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
@@ -665,7 +769,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             checked = self._validate(flat, zero, stored)
             if checked is None:
                 return
-            flat = checked[0]
+            flat, i_max = checked[0], checked[3]
         trees = self._trees
         # Clear the overwritten slots first if one of them holds the live max.
         within = self._max_priority_within_buffer
@@ -677,6 +781,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self.dtype == torch.float32:
             mass = float(np.float32(mass))
         trees.update(flat, mass, value)
+        self._written_end = max(self._written_end, int(i_max) + 1)
         if not within and value > self._all_time_max:
             self._all_time_at, self._all_time_max = int(flat[0]), value
 
@@ -691,11 +796,17 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             ``(m_i / m_min) ** -beta`` in ``dtype``.
         """
         self._maybe_init_from_storage(storage)
-        if len(storage) == 0:
+        stored = len(storage)
+        if stored == 0:
             raise RuntimeError(
                 "Cannot sample from an empty storage: extend the buffer before sampling."
             )
-        total, m_min = self._trees.total(), self._trees.min_mass()
+        limit = None
+        if self._written_end > stored:  # priorities set (without storage=) past the stored
+            limit = stored  # items: draw below len(storage) only, as TorchRL
+            total, m_min = self._trees.prefix(stored)
+        else:
+            total, m_min = self._trees.total(), self._trees.min_mass()
         if not total > 0:
             raise RuntimeError(
                 f"Cannot sample: the stored items have no sampling mass (sum of (p + eps) ** "
@@ -714,14 +825,30 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if self._fused:  # one compiled pass: descent, leaf mass and weight
             f32 = self.dtype == torch.float32
             draw_np = draw.numpy() if rand_device.type == "cpu" else draw.cpu().numpy()
-            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32)
+            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32, limit)
         else:
             draw = draw if rand_device == self._trees.device else draw.to(self._trees.device)
             index, mass = self._trees.search_with_mass(draw.mul_(total))
+            if limit is not None:
+                index, mass = self._below(index, mass, limit)
             weight = torch.pow(mass / m_min, -self._beta).to(self.dtype)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
+
+    def _below(
+        self, index: torch.Tensor, mass: torch.Tensor, limit: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Move drawn slots at or past ``limit`` (rounding) to the last one below with mass.
+
+        O(batch), plus O(limit) if a slot moves (rare).
+        """
+        over = index >= limit
+        if not bool(over.any()):
+            return index, mass
+        below = self._trees.leaf_mass()[:limit]
+        last = int(below.nonzero()[-1])
+        return torch.where(over, last, index), torch.where(over, below[last], mass)
 
     # ------------------------------------------------------------------ checkpoints
     def _metadata(self) -> dict[str, Any]:
@@ -793,7 +920,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 f"checkpoint dtype={metadata['dtype']!r} is not float32 or float64; "
                 "nothing was changed"
             )
-        return metadata, mass, raw
+        try:
+            scalars = {key: _scalar(metadata[key], key.lstrip("_")) for key in required[1:6]}
+        except TypeError as error:
+            raise CheckpointError(
+                f"{error}; the checkpoint is damaged; nothing was changed"
+            ) from error
+        return {**metadata, **scalars}, mass, raw
 
     def _restore(self, metadata: Any, mass: Any, raw: Any, source: str = "state dict") -> None:
         metadata, mass, raw = self._checked(metadata, mass, raw, source)
@@ -805,8 +938,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         raw = torch.cat(
             [raw.to(torch.float64), raw.new_full((pad,), -math.inf, dtype=torch.float64)]
         )
-        self._alpha = metadata["_alpha"]
-        self._beta = metadata["_beta"]
+        self._alpha = self._alpha_as_given = metadata["_alpha"]
+        self._beta = self._beta_as_given = metadata["_beta"]
         self._eps = metadata["_eps"]
         self._upper_priority = float(metadata["_upper_priority"])
         self._initial_priority = float(metadata["_initial_priority"])
@@ -816,6 +949,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._max_priority_within_buffer = bool(metadata["_max_priority_within_buffer"])
         self.dtype = getattr(torch, metadata["dtype"])
         self._trees.set_leaves(mass, raw)
+        self._written_end = self._find_written_end()
 
     @_locked
     def state_dict(self) -> dict[str, Any]:
