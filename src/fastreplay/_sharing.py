@@ -25,10 +25,9 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 import torch
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
-from torchrl.data.replay_buffers.samplers import Sampler
-from torchrl.data.replay_buffers.storages import TensorStorage
-from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
+
+from fastreplay._torchrl import RoundRobinWriter, Sampler, TensorDictRoundRobinWriter, TensorStorage
+from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 
 __all__ = ["SharedBufferChecks", "check_shareable"]
 

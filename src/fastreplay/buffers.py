@@ -26,14 +26,14 @@ import torch
 import torchrl
 from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
-from torchrl.data import TensorDictPrioritizedReplayBuffer as _TorchRLPrioritizedBuffer
-from torchrl.data import TensorDictReplayBuffer as _TorchRLBuffer
-from torchrl.data.replay_buffers import RandomSampler
-from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
+from fastreplay._torchrl import RandomSampler
+from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
+from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
+from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
 
 __all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
 

@@ -9,25 +9,29 @@ a new epoch when the number of trajectories changes) follows TorchRL's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict.utils import NestedKey
-from torchrl._utils import _replace_last
-from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerWithoutReplacement
-from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
-from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._epoch_permutation import EpochPermutation
 from fastreplay._signature import ConstructorSignature
-from fastreplay.samplers.slice import SliceSampler, SliceSamplerError
+from fastreplay._torchrl import (
+    _REPLACEMENT_DISPATCH,
+    STATIC_BOUNDARIES,
+    SliceSamplerWithoutReplacementBase,
+    Storage,
+    _replace_last,
+    is_batch_time,
+    pads_short_slices,
+)
+from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, boundary_arguments
 
 __all__ = ["SliceSamplerWithoutReplacement"]
 
 
-class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
+class SliceSamplerWithoutReplacement(SliceSamplerWithoutReplacementBase):
     """Drop-in ``torchrl.data.SliceSamplerWithoutReplacement`` that does not rescan the buffer.
 
     Same arguments, outputs and epoch semantics as TorchRL's class: each ``sample`` takes the
@@ -65,51 +69,13 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
 
     __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
 
-    def __init__(
-        self,
-        *,
-        num_slices: int | None = None,
-        slice_len: int | None = None,
-        drop_last: bool = False,
-        end_key: NestedKey | None = None,
-        end_keys: Sequence[NestedKey] | None = None,
-        traj_key: NestedKey | None = None,
-        ends: torch.Tensor | None = None,
-        trajectories: torch.Tensor | None = None,
-        truncated_key: NestedKey | None = ("next", "truncated"),
-        init_key: NestedKey | None = "is_init",
-        strict_length: bool = True,
-        shuffle: bool = True,
-        compile: bool | dict = False,
-        use_gpu: bool | torch.device = False,
-    ) -> None:
-        super().__init__(
-            num_slices=num_slices,
-            slice_len=slice_len,
-            drop_last=drop_last,
-            end_key=end_key,
-            end_keys=end_keys,
-            traj_key=traj_key,
-            ends=ends,
-            trajectories=trajectories,
-            truncated_key=truncated_key,
-            init_key=init_key,
-            strict_length=strict_length,
-            shuffle=shuffle,
-            compile=compile,
-            use_gpu=use_gpu,
-        )
-        self._fr_static = "static-stop-and-length" in self._cache or self.use_gpu
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # the installed TorchRL's arguments, as they are
+        self._fr_static = STATIC_BOUNDARIES in self._cache or self.use_gpu
         # The trajectory index (composed, not copied): kept by a fastreplay.SliceSampler that
         # is told about every write and only ever asked for its index.
         self._fr_perm = EpochPermutation()
-        self._fr_slices = SliceSampler(
-            num_slices=num_slices,
-            slice_len=slice_len,
-            end_key=end_key,
-            end_keys=end_keys,
-            traj_key=traj_key,
-        )
+        self._fr_slices = SliceSampler(**boundary_arguments(kwargs))
 
     def _fr_fast(self, storage: Any) -> bool:
         """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
@@ -200,13 +166,15 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
                 start, length, col = index.select(ranks, 1)
             else:
                 seq = torch.from_numpy(length).clamp_max(seq_length)
-                target = seq_length if self.pad_output else None
-        if target is None and not any(self.span):
-            return self._fr_slices_at(storage, start, length, col, seq)
+                target = seq_length if pads_short_slices(self) else None
+        if target is None and not any(self.span) and not is_batch_time(self):
+            result = self._fr_slices_at(storage, start, length, col, seq)
+            self._warn_if_short_batch(result[0], batch_size)  # as TorchRL's ``sample`` (nightly)
+            return result
         start_idx = SliceSampler._fr_with_coords(
             storage, torch.from_numpy(start), torch.from_numpy(col)
         )
-        return super()._get_index(
+        result = super()._get_index(
             lengths=torch.from_numpy(length),
             start_idx=start_idx,
             stop_idx=start_idx,
@@ -217,6 +185,8 @@ class SliceSamplerWithoutReplacement(_TorchRLSliceSamplerWithoutReplacement):
             target_seq_length=target,
             storage=storage,
         )
+        self._warn_if_short_batch(result[0], batch_size)
+        return result
 
     def _fr_slices_at(
         self,
