@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastreplay._torchrl import SHORT_FLAT_BATCH_MESSAGE
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,9 @@ requires_torchrl_ext = pytest.mark.skipif(
     reason="TorchRL's compiled extension (torchrl._torchrl) does not load on this torch "
     f"build ({torch.__version__}); it is only used here as a reference",
 )
+# TorchRL's own warning (the nightly's) when a flat slice sample is shorter than asked for:
+# ignored, by its text, in the tests that sample short slices on purpose.
+short_flat_batches = pytest.mark.filterwarnings(f"ignore:{SHORT_FLAT_BATCH_MESSAGE}:UserWarning")
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
 )

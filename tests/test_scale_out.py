@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage
 
 import fastreplay
-from conftest import TORCHRL_EXT
+from conftest import TORCHRL_EXT, short_flat_batches
 
 CAPACITY = 101  # odd, and smaller than what each test writes: the cursor wraps
 EPISODE = 9
@@ -143,6 +143,7 @@ def raw_priorities(rb: Any) -> torch.Tensor:
     return rb.prioritized_sampler.state_dict()["_raw"]
 
 
+@short_flat_batches
 def test_rows_from_writer_processes_reach_the_learner(setup: Setup) -> None:
     """Each round of writes (wrapping the storage) is sampled, never stale, never unwritten."""
     rb = setup.build(LazyMemmapStorage(CAPACITY, shared_init=True))
@@ -179,6 +180,7 @@ def test_rows_from_writer_processes_reach_the_learner(setup: Setup) -> None:
             rb.update_tensordict_priority(sample)
 
 
+@short_flat_batches
 def test_writers_and_learner_run_concurrently(setup: Setup) -> None:
     """The learner samples (and re-prioritises) while the workers write and wrap."""
     rb = setup.build(LazyMemmapStorage(CAPACITY, shared_init=True))

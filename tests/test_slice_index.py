@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
+from conftest import short_flat_batches
 
 DONE, TERMINATED = ("next", "done"), ("next", "terminated")
 
@@ -62,6 +63,7 @@ SETTINGS = [
 @pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("memmap", [False, True], ids=["tensor", "memmap"])
 @pytest.mark.parametrize("flags", [False, True], ids=["no-flags", "stored-flags"])
+@short_flat_batches
 def test_same_indices_and_info_as_torchrl(
     settings: dict, memmap: bool, flags: bool, tmp_path: Any
 ) -> None:

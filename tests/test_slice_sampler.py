@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
-from conftest import record_storage_reads, requires_cuda
+from conftest import record_storage_reads, requires_cuda, short_flat_batches
 from fastreplay import SliceSampler
 
 DONE = ("next", "done")
@@ -86,6 +86,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode,rows,columns,strict", CASES)
+@short_flat_batches
 def test_bit_identical_to_torchrl_after_random_extends(mode, rows, columns, strict) -> None:
     seed = hash((mode, rows, columns, strict)) % 1000
     rng = random.Random(seed)
@@ -105,6 +106,7 @@ def test_bit_identical_to_torchrl_after_random_extends(mode, rows, columns, stri
 @pytest.mark.parametrize(
     "span,pad,strict", [((True, False), False, False), ((2, True), False, True), (0, True, False)]
 )
+@short_flat_batches
 def test_span_and_pad_output_match_torchrl(span, pad, strict) -> None:
     # (an int span with strict_length=False fails inside TorchRL's own _get_index)
     episodes = Episodes(None, 3, p_end=0.3)
@@ -431,6 +433,7 @@ def test_memmap_shared_init_written_by_another_process(tmp_path) -> None:
 @pytest.mark.parametrize(
     "case", ["int64 done", "uint8 done", "[N, 1, 1] done", "float ids", "bool ids", "end_keys mix"]
 )
+@short_flat_batches
 def test_bit_identical_to_torchrl_for_other_signal_dtypes_and_shapes(case) -> None:
     def convert(td: TensorDict) -> TensorDict:
         done = td[DONE]
@@ -491,6 +494,7 @@ def test_cuda_storage_bit_identical_to_torchrl(mode, columns) -> None:
             assert torch.equal(got[1][k], expected[1][k])
 
 
+@short_flat_batches
 def test_single_row_storage_samples_where_torchrl_fails() -> None:
     # TorchRL squeezes the [1, 1] done flags to a 0-dim tensor and fails (IndexError);
     # fastreplay returns the one-step trajectory (docs/migration.md).

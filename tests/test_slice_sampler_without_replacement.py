@@ -15,7 +15,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
 
 from conformance.conftest import episodes
-from conftest import record_storage_reads
+from conftest import record_storage_reads, short_flat_batches
 from fastreplay import SliceSamplerWithoutReplacement
 from fastreplay._epoch_permutation import EpochPermutation
 from fastreplay._trajectory_index import TrajectoryIndex
@@ -67,6 +67,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode,rows,columns,strict,drop_last,shuffle", CASES)
+@short_flat_batches
 def test_bit_identical_to_torchrl_across_epochs_and_extends(
     mode, rows, columns, strict, drop_last, shuffle
 ) -> None:
@@ -91,6 +92,7 @@ def test_signature_is_torchrl_s() -> None:
     assert isinstance(WOR(num_slices=2), REF)
 
 
+@short_flat_batches
 def test_static_boundaries_keep_torchrl_s_path() -> None:
     ends = torch.zeros(30, dtype=torch.bool)
     ends[[9, 19, 29]] = True
@@ -101,6 +103,7 @@ def test_static_boundaries_keep_torchrl_s_path() -> None:
         _sample_both(fast, ref, storage, 8, seed=s)
 
 
+@short_flat_batches
 def test_online_writes_read_only_the_new_rows(monkeypatch) -> None:
     storage = LazyTensorStorage(101)
     fast = WOR(slice_len=4, end_key=DONE)
@@ -115,6 +118,7 @@ def test_online_writes_read_only_the_new_rows(monkeypatch) -> None:
     assert read == [7, 30, 101]
 
 
+@short_flat_batches
 def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
     storage = LazyTensorStorage(40)
     fast, ref = WOR(slice_len=3, traj_key="traj"), REF(slice_len=3, traj_key="traj")
@@ -126,6 +130,7 @@ def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
         _sample_both(fast, ref, storage, 6, seed=s)
 
 
+@short_flat_batches
 def test_state_dict_round_trip_continues_the_epoch() -> None:
     storage = LazyTensorStorage(80)
     fast = WOR(num_slices=2, traj_key="traj")
@@ -159,6 +164,7 @@ def test_dumps_loads_and_pickle_round_trip(tmp_path) -> None:
         _same(pickled.sample(storage, 6), expected)
 
 
+@short_flat_batches
 def test_memmap_storage_ndim2(tmp_path) -> None:
     storage = LazyMemmapStorage(3 * 31, scratch_dir=tmp_path, ndim=2)
     fast, ref = WOR(num_slices=2, end_key=DONE), REF(num_slices=2, end_key=DONE)
@@ -175,6 +181,7 @@ def _state(sampler) -> tuple:
     return (None if sample_list is None else sample_list.tolist(), sampler.len_storage)
 
 
+@short_flat_batches
 def test_batch_size_not_divisible_is_a_clear_error_and_changes_nothing() -> None:
     storage = LazyTensorStorage(50)
     fast = WOR(num_slices=4, traj_key="traj")
@@ -222,6 +229,7 @@ def test_missing_key_is_a_clear_error() -> None:
 @pytest.mark.parametrize(
     "keys", [{}, {"truncated_key": None}, {"init_key": None}, {"strict_length": False}]
 )
+@short_flat_batches
 def test_flags_and_init_markers_match_torchrl_with_every_key_stored(keys) -> None:
     data = episodes(90, [7, 2, 11, 5])
     data["is_init"] = (data["step"] == 0)[:, None]
@@ -335,6 +343,7 @@ def _epoch_run(sampler, storage, batch: int, calls: int) -> list[tuple]:
     "drop_last,strict,columns",
     [(False, True, None), (True, True, None), (False, False, None), (True, False, 3)],
 )
+@short_flat_batches
 def test_lazy_epochs_follow_torchrl_s_epoch_semantics(drop_last, strict, columns) -> None:
     """Per call: TorchRL's ``ran_out``, ``_remaining_batches``, ``len_storage``, at most
     ``num_slices`` distinct trajectories; per epoch: every trajectory at most once, and every
@@ -365,6 +374,7 @@ def test_lazy_epochs_follow_torchrl_s_epoch_semantics(drop_last, strict, columns
             assert set(epoch) == long_enough
 
 
+@short_flat_batches
 def test_lazy_shuffle_false_is_bit_identical_to_torchrl() -> None:
     episodes_ = Episodes(None, 11, p_end=0.2)
     storage = LazyTensorStorage(97)
@@ -394,6 +404,7 @@ def test_lazy_new_trajectories_start_a_new_epoch() -> None:
     assert sorted(seen) == list(range(8))
 
 
+@short_flat_batches
 def test_lazy_slice_starts_follow_torchrl_s_distribution() -> None:
     """Chi-square of slice starts over whole epochs, for both classes, against the exact
     expectation: each trajectory once per epoch, its start uniform over its valid starts."""
@@ -444,6 +455,7 @@ def test_lazy_epoch_never_draws_a_permutation_of_every_trajectory(monkeypatch) -
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
+@short_flat_batches
 def test_lazy_checkpoints_continue_the_epoch(tmp_path, shuffle) -> None:
     storage = LazyTensorStorage(120)
     fast = _lazy(WOR(num_slices=2, traj_key="traj", shuffle=shuffle))
@@ -505,6 +517,7 @@ def test_index_rotation_search_matches_a_linear_scan(rows, p_end) -> None:
 
 
 @pytest.mark.parametrize("lazy", [False, True])
+@short_flat_batches
 def test_benchmark_checks_answers_and_refuses_sizes_with_too_few_episodes(
     tmp_path, capsys, monkeypatch, lazy
 ) -> None:
@@ -536,6 +549,7 @@ def test_benchmark_checks_answers_and_refuses_sizes_with_too_few_episodes(
         {"end_key": DONE},  # done flags end trajectories
     ],
 )
+@short_flat_batches
 def test_done_flags_match_torchrl_whichever_key_ends_trajectories(keys) -> None:
     data = episodes(90, [7, 9, 11, 5])
     gen = torch.Generator().manual_seed(0)

@@ -59,6 +59,11 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   sampler holding priorities re-transforms the stored ``(p + eps) ** alpha`` values on 0.14
   and the nightly; 0.13 keeps them and warns once ("Changing alpha on a PrioritizedSampler
   ...") when ``max_priority_within_buffer=True``.
+* **Boundary recovery** (:func:`find_start_stop_traj`): TorchRL's one-shot recovery of
+  trajectory boundaries is the public ``torchrl.data.find_start_stop_traj`` from 0.14 on,
+  the ``SliceSampler._find_start_stop_traj`` method on 0.13 (the same results).
+* **Ray runtime** (:func:`ray_runtime_lease`): from 0.14 on, TorchRL counts its holds on the
+  Ray runtime (``torchrl._comm.ray_runtime._RayRuntimeLease``); 0.13 has no such count.
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
   ``timeout`` and ``cancel_event`` keywords, which fastreplay's buffers forward.
 """
@@ -87,7 +92,7 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoun
 __all__ = [
     "ALPHA_CHANGE_RETRANSFORMS",
     "PRIORITIZED_SLICE_ARGS",
-    "PRIORITIZED_SLICE_PARAMETERS",
+    "TORCHRL_PRIORITIZED_SLICE_KEYWORDS",
     "SHORT_FLAT_BATCH_MESSAGE",
     "STORAGE_HAS_REVISION",
     "HAS_FINALIZE_INDEX",
@@ -114,10 +119,12 @@ __all__ = [
     "TorchRLSliceSamplerWithoutReplacement",
     "_REPLACEMENT_DISPATCH",
     "_replace_last",
+    "find_start_stop_traj",
     "is_batch_time",
     "last_cursor_row",
     "mutation_revision",
     "pads_short_slices",
+    "ray_runtime_lease",
 ]
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -125,7 +132,7 @@ TORCHRL_VERSION: str = torchrl.__version__
 
 
 def _init_args(cls: type) -> frozenset[str]:
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not ``self``
     return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
@@ -136,17 +143,19 @@ SLICE_SAMPLER_ARGS: frozenset[str] = _init_args(TorchRLSliceSampler)
 adds ``output_layout``/``slice_end_key``/``time_dim_name``.
 """
 
-PRIORITIZED_SLICE_PARAMETERS: tuple[inspect.Parameter, ...] = tuple(
+TORCHRL_PRIORITIZED_SLICE_KEYWORDS: tuple[inspect.Parameter, ...] = tuple(
     p
     for p in inspect.signature(TorchRLPrioritizedSliceSampler.__init__).parameters.values()
-    if p.kind is p.KEYWORD_ONLY and p.name != "max_priority_within_buffer"
+    if p.kind is p.KEYWORD_ONLY
 )
-"""The keyword-only arguments that ``torchrl.data.PrioritizedSliceSampler`` passes on to
-``SliceSampler`` (0.13: no ``end_keys``/``init_key``; 0.14 and the nightly: the same, with no
-``output_layout``)."""
+"""``torchrl.data.PrioritizedSliceSampler``'s keyword-only arguments, in its order: those it
+passes on to ``SliceSampler`` (0.13: no ``end_keys``/``init_key``; 0.14 and the nightly add
+them, and no ``output_layout``), then ``max_priority_within_buffer``."""
 
-PRIORITIZED_SLICE_ARGS: frozenset[str] = frozenset(p.name for p in PRIORITIZED_SLICE_PARAMETERS)
-"""Their names."""
+PRIORITIZED_SLICE_ARGS: frozenset[str] = frozenset(
+    p.name for p in TORCHRL_PRIORITIZED_SLICE_KEYWORDS if p.name != "max_priority_within_buffer"
+)
+"""The names of those it passes on to ``SliceSampler``."""
 
 OUTPUT_LAYOUTS: tuple[str, ...] = (
     ("flat", "batch_time") if "output_layout" in SLICE_SAMPLER_ARGS else ("flat",)
@@ -217,6 +226,34 @@ def last_cursor_row(storage: Any) -> int | None:
         rows = range(*cursor.indices(storage.max_size))
         return rows[-1] if len(rows) else None
     return None if cursor is None else int(cursor)
+
+
+def find_start_stop_traj(
+    *,
+    trajectory: torch.Tensor | None = None,
+    end: torch.Tensor | None = None,
+    at_capacity: bool,
+    cursor: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TorchRL's ``(start, stop, length)`` of the trajectories in ``trajectory`` or ``end``.
+
+    ``torchrl.data.find_start_stop_traj`` where it exists (0.14+), else (0.13) TorchRL's
+    ``SliceSampler._find_start_stop_traj``. O(rows).
+    """
+    try:
+        from torchrl.data import find_start_stop_traj as find
+    except ImportError:  # TorchRL 0.13
+        find = TorchRLSliceSampler(num_slices=1)._find_start_stop_traj
+    return find(trajectory=trajectory, end=end, at_capacity=at_capacity, cursor=cursor)
+
+
+def ray_runtime_lease() -> Any:
+    """TorchRL's counter of holds on the Ray runtime (0.14+), or ``None`` (0.13)."""
+    try:
+        from torchrl._comm.ray_runtime import _RayRuntimeLease
+    except ImportError:
+        return None
+    return _RayRuntimeLease
 
 
 def is_batch_time(sampler: Any) -> bool:

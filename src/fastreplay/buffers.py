@@ -185,6 +185,7 @@ class _PinnedSampleMixin:
         batch_size: int | None = None,
         return_info: bool = False,
         include_info: bool | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Sample a batch, as TorchRL's ``TensorDictReplayBuffer.sample`` does.
 
@@ -199,6 +200,8 @@ class _PinnedSampleMixin:
             include_info: Deprecated TorchRL argument; ``False`` returns the sample as the
                 storage (and transform) produced it, without the metadata: stored entries
                 named like it (a stored ``index`` or ``("next", "done")``) keep their values.
+            **kwargs: The installed TorchRL's other ``sample`` keywords (the nightly's
+                ``wait``, ``timeout``, ``cancel_event``), passed on as they are.
         """
         if include_info is not None:
             warnings.warn(
@@ -207,7 +210,7 @@ class _PinnedSampleMixin:
                 "the output tensordict.",
                 stacklevel=2,
             )
-        data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
+        data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True, **kwargs)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)

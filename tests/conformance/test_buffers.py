@@ -25,7 +25,7 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 from conformance.conftest import DONE, Impl, episodes
-from conftest import requires_cuda
+from conftest import requires_cuda, short_flat_batches
 
 CAPACITY = 7  # odd, and small enough that every test wraps around
 BATCH = 5
@@ -568,6 +568,7 @@ def test_include_info_random_sampler(
 @pytest.mark.parametrize("prefetch", [None, 2])
 @pytest.mark.parametrize("return_info", [False, True])
 @pytest.mark.parametrize("include_info", [True, False, None])
+@short_flat_batches
 def test_include_info_slice_sampler(
     impl: Impl, include_info: bool | None, return_info: bool, prefetch: Any, pin_memory: bool
 ) -> None:
@@ -599,6 +600,7 @@ def test_per_include_info(
 
 
 @pytest.mark.parametrize("include_info", [None, False])
+@short_flat_batches
 def test_prefetched_samples_in_a_checkpoint_load_into_either_library(
     impl: Impl, include_info: bool | None
 ) -> None:

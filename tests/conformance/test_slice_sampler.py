@@ -17,7 +17,7 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 from conformance.conftest import DONE, Impl, assert_slices_valid, episodes
-from conftest import requires_cuda
+from conftest import requires_cuda, short_flat_batches
 
 TERMINATED = ("next", "terminated")
 TRUNCATED = ("next", "truncated")
@@ -72,6 +72,7 @@ def test_is_init_marks_each_slice_start(impl: Impl) -> None:
 
 
 @pytest.mark.parametrize("strict", [True, False])
+@short_flat_batches
 def test_short_trajectories(impl: Impl, strict: bool) -> None:
     storage = trl.LazyTensorStorage(30)
     rb = _buffer(impl, storage, num_slices=4, traj_key="traj", strict_length=strict)

@@ -21,8 +21,8 @@ import torch
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
     PRIORITIZED_SLICE_ARGS,
-    PRIORITIZED_SLICE_PARAMETERS,
     STATIC_BOUNDARIES,
+    TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
     _replace_last,
 )
@@ -51,11 +51,12 @@ class _SliceArgumentsSignature(ConstructorSignature):
         if instance is not None:
             return None
         init = list(inspect.signature(owner.__init__).parameters.values())[1:]
-        own = [p for p in init if p.kind is not p.VAR_KEYWORD]
-        names = {p.name for p in own}
-        own += [p for p in PRIORITIZED_SLICE_PARAMETERS if p.name not in names]
-        own.sort(key=lambda p: p.kind)  # stable
-        return inspect.Signature(own)
+        own = {p.name: p for p in init if p.kind is not p.VAR_KEYWORD}
+        # TorchRL's order, with this class's defaults, then the arguments TorchRL lacks.
+        params = [p for p in own.values() if p.kind is not p.KEYWORD_ONLY]
+        params += [own.pop(p.name, p) for p in TORCHRL_PRIORITIZED_SLICE_KEYWORDS]
+        params += [p for p in own.values() if p.kind is p.KEYWORD_ONLY]
+        return inspect.Signature(params)
 
 
 class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSampler):
