@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage
 
 import fastreplay
-from conftest import TORCHRL_EXT, short_flat_batches
+from conftest import TORCHRL_EXT, requires_storage_revision, short_flat_batches
 
 CAPACITY = 101  # odd, and smaller than what each test writes: the cursor wraps
 EPISODE = 9
@@ -293,6 +293,7 @@ def test_remote_writes_keep_the_index_incremental(monkeypatch: pytest.MonkeyPatc
     assert rebuilds == []
 
 
+@requires_storage_revision
 def test_unreported_remote_write_rebuilds_the_index() -> None:
     """``rb[idx] = ...`` in a worker is not a counted write: the learner re-indexes."""
     rb = _recording_rb()

@@ -11,8 +11,16 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
-from conftest import record_storage_reads, requires_cuda, short_flat_batches
+from conftest import (
+    record_storage_reads,
+    requires_cuda,
+    requires_slice_args,
+    requires_storage_revision,
+    short_flat_batches,
+    skip_unless_slice_args,
+)
 from fastreplay import SliceSampler
+from fastreplay._torchrl import last_cursor_row
 
 DONE = ("next", "done")
 
@@ -137,6 +145,7 @@ def test_slices_never_cross_boundaries_or_the_write_cursor(columns) -> None:
         _check_invariants(storage, index, 8)
 
 
+@requires_slice_args("end_keys")
 def test_memmap_storage_and_end_keys_union(tmp_path) -> None:
     episodes = Episodes(None, 5)
     storage = LazyMemmapStorage(33, scratch_dir=tmp_path)
@@ -151,6 +160,7 @@ def test_memmap_storage_and_end_keys_union(tmp_path) -> None:
         _assert_same(fast, ref, storage, 8, seed=it)
 
 
+@requires_storage_revision
 def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
     episodes = Episodes(None, 8)
     storage = LazyTensorStorage(40)
@@ -383,7 +393,7 @@ def test_checkpoint_into_a_fresh_buffer_keeps_the_boundary_at_the_write_cursor(
     else:
         original.dumps(tmp_path)
         fresh.loads(tmp_path)
-    assert fresh.storage._last_cursor_index is None  # not in the checkpoint
+    assert last_cursor_row(fresh.storage) is None  # not in the checkpoint
     got = fresh.sampler._get_stop_and_length(fresh.storage)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     for seed in range(5):  # slices never run from the newest step into the oldest one
@@ -402,6 +412,7 @@ def _shared_writer(rb, commands, acks) -> None:
 
 
 @pytest.mark.slow  # one spawned process (imports torch): ~10-30 s on 2 busy cores
+@requires_storage_revision
 def test_memmap_shared_init_written_by_another_process(tmp_path) -> None:
     import torch.multiprocessing as mp
 
@@ -453,6 +464,7 @@ def test_bit_identical_to_torchrl_for_other_signal_dtypes_and_shapes(case) -> No
     if case.endswith("ids"):
         kw["traj_key"] = "traj"
     elif case == "end_keys mix":
+        skip_unless_slice_args(["end_keys"])
         kw["end_keys"] = [("next", "truncated"), ("next", "missing"), DONE]
     else:
         kw["end_key"] = DONE
@@ -559,6 +571,7 @@ def test_the_without_replacement_class_is_chosen_in_one_place(monkeypatch) -> No
     ],
 )
 def test_bad_signals_name_the_argument_and_change_nothing(kwargs, change, error, match) -> None:
+    skip_unless_slice_args(kwargs)
     storage = LazyTensorStorage(30)
     fast = SliceSampler(num_slices=2, **kwargs)
     td = Episodes(None, 3, p_end=0.2).batch(20)

@@ -284,3 +284,24 @@ def test_short_flat_batch_warning_can_be_filtered_by_message() -> None:
         fresh = fastreplay.SliceSampler(num_slices=4, traj_key="traj", strict_length=False)
         rb.set_sampler(fresh)
         rb.sample()
+
+
+# ------------------------------------------------------------------- storage revision
+def _same_boundaries(ours: Any, storage: Any) -> bool:
+    expected = trl.SliceSampler(num_slices=2, traj_key="traj")._get_stop_and_length(storage)
+    got = ours._get_stop_and_length(storage)
+    return all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_writes_the_sampler_is_not_told_about() -> None:
+    """Seen through the storage's write counter (0.14+); on 0.13, after invalidate_boundaries."""
+    storage = trl.LazyTensorStorage(40)
+    sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj")
+    rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
+    rb.extend(episodes(30, 10))
+    rb.sample()
+    other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage
+    other.extend(episodes(10, 1, first_id=500))  # rows 0-9: ten one-step trajectories
+    assert _same_boundaries(sampler, storage) == compat.STORAGE_HAS_REVISION
+    sampler.invalidate_boundaries()
+    assert _same_boundaries(sampler, storage)

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from fastreplay._torchrl import RoundRobinWriter, Sampler, TensorDictRoundRobinWriter, TensorStorage
+from fastreplay._torchrl import (
+    RoundRobinWriter,
+    Sampler,
+    TensorDictRoundRobinWriter,
+    TensorStorage,
+    is_consuming,
+)
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 
 __all__ = ["SharedBufferChecks", "check_shareable"]
@@ -146,7 +152,7 @@ class SharedBufferChecks:
             and type(writer) in _ROUND_ROBIN
             and storage is not None
             and storage.ndim == 1
-            and not self._is_consuming()  # type: ignore[attr-defined]
+            and not is_consuming(self)
             # Samplers whose extend does nothing (RandomSampler, the writers' side of
             # sync=False) need no reports: keep TorchRL's locking exactly.
             and type(self._sampler).extend is not Sampler.extend

@@ -64,6 +64,11 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   the ``SliceSampler._find_start_stop_traj`` method on 0.13 (the same results).
 * **Ray runtime** (:func:`ray_runtime_lease`): from 0.14 on, TorchRL counts its holds on the
   Ray runtime (``torchrl._comm.ray_runtime._RayRuntimeLease``); 0.13 has no such count.
+* **Sampler.can_sample** (:data:`HAS_CAN_SAMPLE`): 0.14 added ``Sampler.can_sample(storage,
+  batch_size)`` (and ``ReplayBuffer.can_sample``); 0.13 has neither. fastreplay's samplers
+  inherit it where TorchRL has it.
+* **Consuming samplers** (:func:`is_consuming`): 0.14 added ``ConsumingSampler`` and
+  ``ReplayBuffer._is_consuming()``; 0.13 has neither (no buffer consumes).
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
   ``timeout`` and ``cancel_event`` keywords, which fastreplay's buffers forward.
 """
@@ -95,6 +100,7 @@ __all__ = [
     "TORCHRL_PRIORITIZED_SLICE_KEYWORDS",
     "SHORT_FLAT_BATCH_MESSAGE",
     "STORAGE_HAS_REVISION",
+    "HAS_CAN_SAMPLE",
     "HAS_FINALIZE_INDEX",
     "OUTPUT_LAYOUTS",
     "SLICE_SAMPLER_ARGS",
@@ -121,6 +127,7 @@ __all__ = [
     "_replace_last",
     "find_start_stop_traj",
     "is_batch_time",
+    "is_consuming",
     "last_cursor_row",
     "mutation_revision",
     "pads_short_slices",
@@ -181,6 +188,10 @@ SHORT_FLAT_BATCH_MESSAGE = "SliceSampler returned a short flat batch"
 ALPHA_CHANGE_RETRANSFORMS: bool = hasattr(TorchRLPrioritizedSampler, "_retransform_priority_trees")
 """Whether TorchRL's ``PrioritizedSampler`` re-transforms stored priorities when ``alpha``
 changes (0.14, nightly). 0.13 keeps them and warns once instead."""
+
+
+HAS_CAN_SAMPLE: bool = hasattr(Sampler, "can_sample")
+"""Whether TorchRL's samplers have ``can_sample`` (0.14, nightly); 0.13's do not."""
 
 
 def mutation_revision(storage: Any, assumed: int) -> int:
@@ -254,6 +265,15 @@ def ray_runtime_lease() -> Any:
     except ImportError:
         return None
     return _RayRuntimeLease
+
+
+def is_consuming(buffer: Any) -> bool:
+    """Whether ``buffer`` consumes what it samples (``ReplayBuffer._is_consuming()``, 0.14+).
+
+    TorchRL 0.13 has no consuming sampler: ``False`` there. O(1).
+    """
+    method = getattr(buffer, "_is_consuming", None)
+    return bool(method()) if method is not None else False
 
 
 def is_batch_time(sampler: Any) -> bool:

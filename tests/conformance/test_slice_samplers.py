@@ -17,6 +17,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 from conformance.conftest import DONE, Impl, assert_slices_valid, episodes
 from conftest import short_flat_batches
+from fastreplay._torchrl import last_cursor_row
 
 ALPHA, BETA = 0.8, 0.6
 
@@ -39,7 +40,7 @@ def valid_starts(storage, seq_length: int, strict: bool, span_right: bool | int 
     traj = storage._storage.get("traj")
     traj = traj.reshape(rows, -1)
     size = storage._len_along_dim0
-    first = (storage._last_cursor_index + 1) % rows if storage._is_full else 0
+    first = (last_cursor_row(storage) + 1) % rows if storage._is_full else 0
     order = [(first + i) % rows for i in range(size)]
     k = 1 if span_right is True else seq_length - 1 - int(span_right)
     out = {}
