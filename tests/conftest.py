@@ -57,12 +57,14 @@ def skip_unless_slice_args(kwargs: object) -> None:
         pytest.skip(f"TorchRL {TORCHRL_VERSION}'s SliceSampler takes no {missing}")
 
 
-# Writes a sampler is not told about are seen through the storage's write counter, which
-# TorchRL 0.13's storages do not have (see fastreplay._torchrl.STORAGE_HAS_REVISION).
+# Writes a sampler is not told about are seen through the storage's write counter, and the
+# newest row of a storage written by other processes through its shared last cursor: TorchRL
+# 0.13's storages have neither (see fastreplay._torchrl.STORAGE_HAS_REVISION).
 requires_storage_revision = pytest.mark.skipif(
     not STORAGE_HAS_REVISION,
-    reason=f"TorchRL {TORCHRL_VERSION}'s storages count no writes: writes a sampler is not "
-    "told about need invalidate_boundaries() there (tests/test_versions.py pins it)",
+    reason=f"TorchRL {TORCHRL_VERSION}'s storages count no writes and share no write cursor "
+    "with other processes: writes a sampler is not told about need invalidate_boundaries() "
+    "there (tests/test_versions.py pins it)",
 )
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
@@ -79,6 +81,14 @@ def shutdown(buffer: object) -> None:
     executor = getattr(buffer, "_prefetch_executor", None)
     if executor is not None:
         executor.shutdown(wait=True)
+
+
+def synchronize(buffer: object) -> None:
+    """Wait for ``buffer``'s pending background updates (``synchronize()``, TorchRL 0.14 on);
+    TorchRL 0.13's buffers update in the calling thread: nothing to wait for."""
+    wait = getattr(buffer, "synchronize", None)
+    if wait is not None:
+        wait()
 
 
 @pytest.fixture(autouse=True)

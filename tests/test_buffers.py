@@ -10,6 +10,7 @@ output that escapes pinning fails the test. The same checks with real ``is_pinne
 
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
 from collections import namedtuple
@@ -28,7 +29,7 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritized
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 import fastreplay
-from conftest import TORCHRL_EXT, requires_cuda, shutdown
+from conftest import TORCHRL_EXT, requires_cuda, shutdown, synchronize
 from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer, _pinning
 
 N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
@@ -366,12 +367,12 @@ def test_pinning_happens_in_the_prefetch_thread(fake_pinning: FakePinning):
     )
     try:
         rb.sample()  # empty queue: this one is built in the caller's thread
-        rb.synchronize()
+        synchronize(rb)
         fake_pinning.threads.clear()
         for _ in range(5):
             data = rb.sample()
             assert unpinned(data, fake_pinning.is_pinned) == []
-        rb.synchronize()
+        synchronize(rb)
         assert fake_pinning.calls > 0
         assert threading.main_thread() not in fake_pinning.threads
     finally:
@@ -401,7 +402,8 @@ def test_prioritized_buffer_pins_weights_and_matches_torchrl(
 ):
     # Reference: TorchRL's own buffer class driving the same sampler class (TorchRL builds its
     # sampler by module-level name), so only the pinning differs.
-    import torchrl.data.replay_buffers.replay_buffers.prioritized_tensordict as torchrl_tdprb
+    # The module that defines it (a package module from TorchRL 0.14 on, one module on 0.13).
+    torchrl_tdprb = importlib.import_module(TorchRLPrioritizedBuffer.__init__.__module__)
 
     monkeypatch.setattr(torchrl_tdprb, "PrioritizedSampler", fastreplay.PrioritizedSampler)
     kwargs = {"alpha": 0.7, "beta": 0.5, "batch_size": 12}
@@ -858,7 +860,8 @@ def test_ndim2_storage_on_device(storage_device: str, kind: str, request: pytest
 def test_prioritized_buffer_storage_on_device(
     storage_device: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ):
-    import torchrl.data.replay_buffers.replay_buffers.prioritized_tensordict as torchrl_tdprb
+    # The module that defines it (a package module from TorchRL 0.14 on, one module on 0.13).
+    torchrl_tdprb = importlib.import_module(TorchRLPrioritizedBuffer.__init__.__module__)
 
     is_pinned = _pinning_check(request, True)
     # Reference: TorchRL's buffer class driving fastreplay's sampler (see above).

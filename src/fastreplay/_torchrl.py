@@ -69,6 +69,10 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   inherit it where TorchRL has it.
 * **Consuming samplers** (:func:`is_consuming`): 0.14 added ``ConsumingSampler`` and
   ``ReplayBuffer._is_consuming()``; 0.13 has neither (no buffer consumes).
+* **Buffer life cycle** (:data:`CHECKPOINTS_KEEP_PREFETCHED`): 0.14 added
+  ``ReplayBuffer.shutdown()``/``synchronize()`` and checkpoints (``state_dict``, ``dumps``,
+  pickling) that carry the prefetched samples; 0.13 has none of them (its checkpoints drop the
+  prefetch queue).
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
   ``timeout`` and ``cancel_event`` keywords, which fastreplay's buffers forward.
 """
@@ -100,6 +104,7 @@ __all__ = [
     "TORCHRL_PRIORITIZED_SLICE_KEYWORDS",
     "SHORT_FLAT_BATCH_MESSAGE",
     "STORAGE_HAS_REVISION",
+    "CHECKPOINTS_KEEP_PREFETCHED",
     "HAS_CAN_SAMPLE",
     "HAS_FINALIZE_INDEX",
     "OUTPUT_LAYOUTS",
@@ -189,6 +194,9 @@ ALPHA_CHANGE_RETRANSFORMS: bool = hasattr(TorchRLPrioritizedSampler, "_retransfo
 """Whether TorchRL's ``PrioritizedSampler`` re-transforms stored priorities when ``alpha``
 changes (0.14, nightly). 0.13 keeps them and warns once instead."""
 
+
+CHECKPOINTS_KEEP_PREFETCHED: bool = hasattr(TorchRLReplayBuffer, "_capture_prefetch_state")
+"""Whether buffer checkpoints carry the prefetched samples (0.14, nightly); 0.13's do not."""
 
 HAS_CAN_SAMPLE: bool = hasattr(Sampler, "can_sample")
 """Whether TorchRL's samplers have ``can_sample`` (0.14, nightly); 0.13's do not."""
