@@ -20,6 +20,9 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   ``slice_end_key`` and ``time_dim_name`` (also on ``SliceSamplerWithoutReplacement``).
   fastreplay's samplers forward their keyword arguments to TorchRL's and read their
   signature from it, so each version's arguments are accepted, and shown, by themselves.
+* **PrioritizedSliceSampler's constructor** (:data:`TORCHRL_PRIORITIZED_SLICE_KEYWORDS`):
+  its keyword-only arguments, passed on to ``SliceSampler``; 0.13 has no ``end_keys``/
+  ``init_key``, and no version has ``output_layout``.
 * **The index-to-info hook** (:data:`HAS_FINALIZE_INDEX`): 0.14 and the nightly build the
   ``truncated``/``done``/``terminated`` info and the ``is_init`` markers in
   ``SliceSampler._finalize_index``; 0.13 does it inline at the end of ``_get_index``, with the
@@ -35,8 +38,10 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   (``extend``/``add``/``empty``/checkpoint loads), as TorchRL 0.13's own
   ``cache_values=True`` does: writes it is not told about need
   ``SliceSampler.invalidate_boundaries()``.
-* **Last written row** (:func:`last_cursor_row`): ``Storage._last_cursor_index`` (an int) on
-  0.14 and the nightly; 0.13 keeps the raw cursor passed to ``set`` in ``_last_cursor``.
+* **Last written row** (:func:`last_cursor_row`): ``Storage._last_cursor_index`` (an int,
+  shared with spawned processes) on 0.14 and the nightly; 0.13 keeps the raw cursor passed to
+  ``set`` in ``_last_cursor``, per process (a learner does not see where writer processes
+  are, so a trajectory being written there looks cut at the end of the storage).
 * **Batch-time output** (:data:`OUTPUT_LAYOUTS`, :func:`pads_short_slices`): the nightly's
   ``SliceSampler(output_layout="batch_time")`` returns ``[num_slices, time]`` indices, pads
   short slices (``strict_length=False``) by repeating their last step, and returns
