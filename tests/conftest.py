@@ -8,6 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastreplay._torchrl import (
+    SHORT_FLAT_BATCH_MESSAGE,
+    SLICE_SAMPLER_ARGS,
+    STORAGE_HAS_REVISION,
+    TORCHRL_VERSION,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -26,9 +33,62 @@ requires_torchrl_ext = pytest.mark.skipif(
     reason="TorchRL's compiled extension (torchrl._torchrl) does not load on this torch "
     f"build ({torch.__version__}); it is only used here as a reference",
 )
+# TorchRL's own warning (the nightly's) when a flat slice sample is shorter than asked for:
+# ignored, by its text, in the tests that sample short slices on purpose.
+short_flat_batches = pytest.mark.filterwarnings(f"ignore:{SHORT_FLAT_BATCH_MESSAGE}:UserWarning")
+
+
+def _missing_slice_args(names: object) -> list[str]:
+    return sorted(str(n) for n in names if n not in SLICE_SAMPLER_ARGS)
+
+
+def requires_slice_args(*names: str) -> pytest.MarkDecorator:
+    """Skip where the installed TorchRL's ``SliceSampler`` lacks an argument (0.13: end_keys...)."""
+    missing = _missing_slice_args(names)
+    return pytest.mark.skipif(
+        bool(missing), reason=f"TorchRL {TORCHRL_VERSION}'s SliceSampler takes no {missing}"
+    )
+
+
+def skip_unless_slice_args(kwargs: object) -> None:
+    """In a test: skip if ``kwargs`` names an argument the installed ``SliceSampler`` lacks."""
+    missing = _missing_slice_args(kwargs)
+    if missing:
+        pytest.skip(f"TorchRL {TORCHRL_VERSION}'s SliceSampler takes no {missing}")
+
+
+# Writes a sampler is not told about are seen through the storage's write counter, and the
+# newest row of a storage written by other processes through its shared last cursor: TorchRL
+# 0.13's storages have neither (see fastreplay._torchrl.STORAGE_HAS_REVISION).
+requires_storage_revision = pytest.mark.skipif(
+    not STORAGE_HAS_REVISION,
+    reason=f"TorchRL {TORCHRL_VERSION}'s storages count no writes and share no write cursor "
+    "with other processes: writes a sampler is not told about need invalidate_boundaries() "
+    "there (tests/test_versions.py pins it)",
+)
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
 )
+
+
+def shutdown(buffer: object) -> None:
+    """Stop ``buffer``'s background threads: ``buffer.shutdown()`` where TorchRL has it (0.14
+    on); on TorchRL 0.13, which has no ``shutdown``, its prefetch executor's."""
+    stop = getattr(buffer, "shutdown", None)
+    if stop is not None:
+        stop()
+        return
+    executor = getattr(buffer, "_prefetch_executor", None)
+    if executor is not None:
+        executor.shutdown(wait=True)
+
+
+def synchronize(buffer: object) -> None:
+    """Wait for ``buffer``'s pending background updates (``synchronize()``, TorchRL 0.14 on);
+    TorchRL 0.13's buffers update in the calling thread: nothing to wait for."""
+    wait = getattr(buffer, "synchronize", None)
+    if wait is not None:
+        wait()
 
 
 @pytest.fixture(autouse=True)

@@ -55,7 +55,9 @@ def test_buffers_show_torchrl_arguments_and_their_own() -> None:
     assert params["device"].default is None and params["priority_key"].default == "td_error"
     per = inspect.signature(fastreplay.TensorDictPrioritizedReplayBuffer).parameters
     assert per["alpha"].default is _P.empty and per["eps"].default == 1e-8
-    assert {"device", "sampler_device", "priority_key", "transport"} <= set(per)
+    upstream = inspect.signature(trl.TensorDictPrioritizedReplayBuffer.__init__).parameters
+    transport = {"transport"} & set(upstream)  # TorchRL 0.14 on
+    assert {"device", "sampler_device", "priority_key", *transport} <= set(per)
     assert inspect.signature(fastreplay.PrioritizedSampler).parameters["max_capacity"].kind is (
         _P.POSITIONAL_OR_KEYWORD
     )

@@ -10,6 +10,7 @@ output that escapes pinning fails the test. The same checks with real ``is_pinne
 
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
 from collections import namedtuple
@@ -28,7 +29,7 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritized
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 import fastreplay
-from conftest import TORCHRL_EXT, requires_cuda
+from conftest import TORCHRL_EXT, requires_cuda, shutdown, synchronize
 from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer, _pinning
 
 N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
@@ -332,7 +333,7 @@ def test_every_leaf_reaches_pinning(fake_pinning: FakePinning, kind: str, mode: 
             # (the caller-thread pass in ``sample`` is only a safety net).
             assert unpinned(rb._sample(12), fake_pinning.is_pinned) == []
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 def test_the_check_catches_torchrl_pinning_too_early(
@@ -366,16 +367,16 @@ def test_pinning_happens_in_the_prefetch_thread(fake_pinning: FakePinning):
     )
     try:
         rb.sample()  # empty queue: this one is built in the caller's thread
-        rb.synchronize()
+        synchronize(rb)
         fake_pinning.threads.clear()
         for _ in range(5):
             data = rb.sample()
             assert unpinned(data, fake_pinning.is_pinned) == []
-        rb.synchronize()
+        synchronize(rb)
         assert fake_pinning.calls > 0
         assert threading.main_thread() not in fake_pinning.threads
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 @pytest.mark.parametrize("kind", ["random", "torchrl-slice", "torchrl-prioritized"])
@@ -401,7 +402,8 @@ def test_prioritized_buffer_pins_weights_and_matches_torchrl(
 ):
     # Reference: TorchRL's own buffer class driving the same sampler class (TorchRL builds its
     # sampler by module-level name), so only the pinning differs.
-    import torchrl.data.replay_buffers.replay_buffers.prioritized_tensordict as torchrl_tdprb
+    # The module that defines it (a package module from TorchRL 0.14 on, one module on 0.13).
+    torchrl_tdprb = importlib.import_module(TorchRLPrioritizedBuffer.__init__.__module__)
 
     monkeypatch.setattr(torchrl_tdprb, "PrioritizedSampler", fastreplay.PrioritizedSampler)
     kwargs = {"alpha": 0.7, "beta": 0.5, "batch_size": 12}
@@ -433,7 +435,7 @@ def test_prioritized_buffer_pins_weights_and_matches_torchrl(
             data.set("td_error", priority)
             ours.update_tensordict_priority(data)
     finally:
-        ours.shutdown()
+        shutdown(ours)
 
 
 def test_prioritized_buffer_uses_fastreplay_sampler_without_compiled_extension():
@@ -493,7 +495,7 @@ def test_include_info_false_keeps_stored_keys_pinned(fake_pinning: FakePinning, 
             assert torch.equal(full["index"], torch.as_tensor(full["obs"]))  # the slots
             assert unpinned(full, fake_pinning.is_pinned) == []
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 def test_non_tensordict_data_raises_like_torchrl():
@@ -524,7 +526,7 @@ def test_no_accelerator_warns_once_then_samples_unpinned(kind: str):
             for _ in range(3):
                 rb.sample()
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 @pytest.mark.skipif(_pinning.pinning_available(), reason="this machine has an accelerator")
@@ -541,7 +543,7 @@ def test_cpu_only_machine_for_real():
             assert_slices_consistent(data)
             assert not data["obs"].is_pinned() and not info["index"][0].is_pinned()
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 def test_plain_buffer_never_touches_pinning(no_accelerator: None):
@@ -719,7 +721,7 @@ def test_cuda_every_leaf_is_pinned(kind: str, prefetch: int | None):
             assert data.get_non_tensor("tag") == "kept"
             assert_slices_consistent(data)
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 @requires_cuda
@@ -752,7 +754,7 @@ def test_cuda_device_delivers_device_tensors():
         assert _real_unpinned(info) == []
         assert_same_sample(data.cpu(), ref.sample())
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 @requires_cuda
@@ -825,7 +827,7 @@ def test_storage_on_device_samples_like_torchrl(
         assert_same_sample(ours[3:9].cpu(), ref[3:9].cpu())
         assert ours[3:9]["obs"].device.type == storage_device
     finally:
-        ours.shutdown()
+        shutdown(ours)
 
 
 @pytest.mark.parametrize("storage_device", STORAGE_DEVICES)
@@ -858,7 +860,8 @@ def test_ndim2_storage_on_device(storage_device: str, kind: str, request: pytest
 def test_prioritized_buffer_storage_on_device(
     storage_device: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ):
-    import torchrl.data.replay_buffers.replay_buffers.prioritized_tensordict as torchrl_tdprb
+    # The module that defines it (a package module from TorchRL 0.14 on, one module on 0.13).
+    torchrl_tdprb = importlib.import_module(TorchRLPrioritizedBuffer.__init__.__module__)
 
     is_pinned = _pinning_check(request, True)
     # Reference: TorchRL's buffer class driving fastreplay's sampler (see above).
@@ -944,5 +947,5 @@ def test_restored_prefetch_queue_is_pinned(fake_pinning: FakePinning):
             data, info = other.sample(return_info=True)
             assert unpinned((data, info), fake_pinning.is_pinned) == []
     finally:
-        rb.shutdown()
-        other.shutdown()
+        shutdown(rb)
+        shutdown(other)

@@ -27,12 +27,23 @@ def test_torchrl_extension_matches_ci_expectation() -> None:
     )
 
 
+# ``torchrl._torchrl`` or ``from torchrl import _torchrl`` (fastreplay's own compat module is
+# ``fastreplay._torchrl``: a different name).
+_EXTENSION = re.compile(r"torchrl\._torchrl\b|from\s+torchrl\s+import\s+(\(\s*)?_torchrl\b")
+
+
+def test_extension_pattern_finds_the_extension_only() -> None:
+    assert _EXTENSION.search("import torchrl._torchrl as ext")
+    assert _EXTENSION.search("from torchrl import _torchrl")
+    assert not _EXTENSION.search("from fastreplay._torchrl import Storage")
+
+
 def test_fastreplay_source_never_names_torchrl_extension() -> None:
     """fastreplay must work where ``torchrl._torchrl`` does not load (CI pass 2 runs there)."""
     offenders = [
         str(p.relative_to(REPO))
         for p in (REPO / "src" / "fastreplay").rglob("*.py")
-        if "_torchrl" in p.read_text(encoding="utf-8")
+        if _EXTENSION.search(p.read_text(encoding="utf-8"))
     ]
     assert not offenders, offenders
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import pickle
 import sys
@@ -19,7 +20,6 @@ from torchrl.data import (
     TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
-from torchrl.data.replay_buffers.replay_buffers import prioritized_tensordict
 from torchrl.data.replay_buffers.scheduler import LinearScheduler
 
 from conftest import requires_cuda, requires_torchrl_ext
@@ -197,6 +197,10 @@ def test_ndim2_storage_and_memmap(tmp_path) -> None:
 
 def test_tensordict_prioritized_replay_buffer(monkeypatch) -> None:
     """TorchRL's TDPRB builds its sampler by name: route it to ours."""
+    # The module that defines it (a package module from TorchRL 0.14 on, one module on 0.13).
+    prioritized_tensordict = importlib.import_module(
+        TensorDictPrioritizedReplayBuffer.__init__.__module__
+    )
     monkeypatch.setattr(prioritized_tensordict, "PrioritizedSampler", PrioritizedSampler)
     rb = TensorDictPrioritizedReplayBuffer(
         alpha=0.7, beta=0.5, storage=LazyTensorStorage(50), priority_key="td_error"

@@ -18,7 +18,12 @@ from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampl
 
 from conformance.conftest import DONE, assert_slices_valid, episodes
 from conformance.test_slice_samplers import chi2_pvalue, slice_starts, valid_starts
-from conftest import record_storage_reads, requires_cuda, requires_torchrl_ext
+from conftest import (
+    record_storage_reads,
+    requires_cuda,
+    requires_storage_revision,
+    requires_torchrl_ext,
+)
 from fastreplay import PrioritizedSliceSampler
 from fastreplay._segment_tree import PriorityTrees
 from fastreplay.samplers.prioritized_slice import _slice_steps
@@ -195,6 +200,7 @@ def test_online_writes_read_only_the_new_rows(monkeypatch) -> None:
     assert read == [7, 30, 101]
 
 
+@requires_storage_revision
 def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
     rb, sampler, storage = _buffer(40, slice_len=3, traj_key="traj")
     _fill(rb, [(40, 10)])

@@ -194,7 +194,7 @@ def test_make_trees_picks_and_rejects_backends(monkeypatch: pytest.MonkeyPatch) 
         make_trees(7, backend="numba", device="cuda")
     monkeypatch.setattr(numba_trees, "NUMBA_AVAILABLE", False)
     assert make_trees(7).backend == "torch"
-    with pytest.raises(ValueError, match=r"backend='numba' needs the numba package.*pip install numba,"):
+    with pytest.raises(ValueError, match=r"backend='numba' needs the numba.*pip install numba,"):
         make_trees(7, backend="numba")
 
 

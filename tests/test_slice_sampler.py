@@ -11,8 +11,16 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
-from conftest import record_storage_reads, requires_cuda
+from conftest import (
+    record_storage_reads,
+    requires_cuda,
+    requires_slice_args,
+    requires_storage_revision,
+    short_flat_batches,
+    skip_unless_slice_args,
+)
 from fastreplay import SliceSampler
+from fastreplay._torchrl import last_cursor_row
 
 DONE = ("next", "done")
 
@@ -86,6 +94,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode,rows,columns,strict", CASES)
+@short_flat_batches
 def test_bit_identical_to_torchrl_after_random_extends(mode, rows, columns, strict) -> None:
     seed = hash((mode, rows, columns, strict)) % 1000
     rng = random.Random(seed)
@@ -105,6 +114,7 @@ def test_bit_identical_to_torchrl_after_random_extends(mode, rows, columns, stri
 @pytest.mark.parametrize(
     "span,pad,strict", [((True, False), False, False), ((2, True), False, True), (0, True, False)]
 )
+@short_flat_batches
 def test_span_and_pad_output_match_torchrl(span, pad, strict) -> None:
     # (an int span with strict_length=False fails inside TorchRL's own _get_index)
     episodes = Episodes(None, 3, p_end=0.3)
@@ -135,6 +145,7 @@ def test_slices_never_cross_boundaries_or_the_write_cursor(columns) -> None:
         _check_invariants(storage, index, 8)
 
 
+@requires_slice_args("end_keys")
 def test_memmap_storage_and_end_keys_union(tmp_path) -> None:
     episodes = Episodes(None, 5)
     storage = LazyMemmapStorage(33, scratch_dir=tmp_path)
@@ -149,6 +160,7 @@ def test_memmap_storage_and_end_keys_union(tmp_path) -> None:
         _assert_same(fast, ref, storage, 8, seed=it)
 
 
+@requires_storage_revision
 def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
     episodes = Episodes(None, 8)
     storage = LazyTensorStorage(40)
@@ -415,7 +427,7 @@ def test_checkpoint_into_a_fresh_buffer_keeps_the_boundary_at_the_write_cursor(
     else:
         original.dumps(tmp_path)
         fresh.loads(tmp_path)
-    assert fresh.storage._last_cursor_index is None  # not in the checkpoint
+    assert last_cursor_row(fresh.storage) is None  # not in the checkpoint
     got = fresh.sampler._get_stop_and_length(fresh.storage)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     for seed in range(5):  # slices never run from the newest step into the oldest one
@@ -434,6 +446,7 @@ def _shared_writer(rb, commands, acks) -> None:
 
 
 @pytest.mark.slow  # one spawned process (imports torch): ~10-30 s on 2 busy cores
+@requires_storage_revision
 def test_memmap_shared_init_written_by_another_process(tmp_path) -> None:
     import torch.multiprocessing as mp
 
@@ -465,6 +478,7 @@ def test_memmap_shared_init_written_by_another_process(tmp_path) -> None:
 @pytest.mark.parametrize(
     "case", ["int64 done", "uint8 done", "[N, 1, 1] done", "float ids", "bool ids", "end_keys mix"]
 )
+@short_flat_batches
 def test_bit_identical_to_torchrl_for_other_signal_dtypes_and_shapes(case) -> None:
     def convert(td: TensorDict) -> TensorDict:
         done = td[DONE]
@@ -484,6 +498,7 @@ def test_bit_identical_to_torchrl_for_other_signal_dtypes_and_shapes(case) -> No
     if case.endswith("ids"):
         kw["traj_key"] = "traj"
     elif case == "end_keys mix":
+        skip_unless_slice_args(["end_keys"])
         kw["end_keys"] = [("next", "truncated"), ("next", "missing"), DONE]
     else:
         kw["end_key"] = DONE
@@ -525,6 +540,7 @@ def test_cuda_storage_bit_identical_to_torchrl(mode, columns) -> None:
             assert torch.equal(got[1][k], expected[1][k])
 
 
+@short_flat_batches
 def test_single_row_storage_samples_where_torchrl_fails() -> None:
     # TorchRL squeezes the [1, 1] done flags to a 0-dim tensor and fails (IndexError);
     # fastreplay returns the one-step trajectory (docs/migration.md).
@@ -589,6 +605,7 @@ def test_the_without_replacement_class_is_chosen_in_one_place(monkeypatch) -> No
     ],
 )
 def test_bad_signals_name_the_argument_and_change_nothing(kwargs, change, error, match) -> None:
+    skip_unless_slice_args(kwargs)
     storage = LazyTensorStorage(30)
     fast = SliceSampler(num_slices=2, **kwargs)
     td = Episodes(None, 3, p_end=0.2).batch(20)

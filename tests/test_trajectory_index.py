@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torchrl.data import find_start_stop_traj
 
+from fastreplay._torchrl import find_start_stop_traj
 from fastreplay._trajectory_index import TrajectoryIndex
 
 

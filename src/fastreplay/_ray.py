@@ -33,10 +33,9 @@ import re
 import traceback
 from typing import Any
 
-from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
-from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer as _TorchRLRayReplayBuffer
-
 from fastreplay._signature import ConstructorSignature
+from fastreplay._torchrl import TorchRLRayReplayBuffer as _TorchRLRayReplayBuffer
+from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
 
 __all__ = ["RayReplayBuffer", "checked_actor_class"]
 

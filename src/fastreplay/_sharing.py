@@ -32,10 +32,15 @@ from typing import Any
 import torch
 from tensordict import MemoryMappedTensor, is_tensor_collection
 from torch.utils._pytree import tree_leaves
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
-from torchrl.data.replay_buffers.samplers import Sampler
-from torchrl.data.replay_buffers.storages import TensorStorage
-from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
+
+from fastreplay._torchrl import (
+    RoundRobinWriter,
+    Sampler,
+    TensorDictRoundRobinWriter,
+    TensorStorage,
+    is_consuming,
+)
+from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 
 __all__ = ["SharedBufferChecks", "check_shareable"]
 
@@ -213,7 +218,7 @@ class SharedBufferChecks:
             and type(writer) in _ROUND_ROBIN
             and storage is not None
             and storage.ndim == 1
-            and not self._is_consuming()  # type: ignore[attr-defined]
+            and not is_consuming(self)
             # Samplers whose extend does nothing (RandomSampler, the writers' side of
             # sync=False) need no reports: keep TorchRL's locking exactly.
             and type(self._sampler).extend is not Sampler.extend

@@ -26,14 +26,14 @@ import torch
 import torchrl
 from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
-from torchrl.data import TensorDictPrioritizedReplayBuffer as _TorchRLPrioritizedBuffer
-from torchrl.data import TensorDictReplayBuffer as _TorchRLBuffer
-from torchrl.data.replay_buffers import RandomSampler
-from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
+from fastreplay._torchrl import RandomSampler
+from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
+from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
+from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
 
 __all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
 
@@ -185,6 +185,7 @@ class _PinnedSampleMixin:
         batch_size: int | None = None,
         return_info: bool = False,
         include_info: bool | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Sample a batch, as TorchRL's ``TensorDictReplayBuffer.sample`` does.
 
@@ -199,6 +200,8 @@ class _PinnedSampleMixin:
             include_info: Deprecated TorchRL argument; ``False`` returns the sample as the
                 storage (and transform) produced it, without the metadata: stored entries
                 named like it (a stored ``index`` or ``("next", "done")``) keep their values.
+            **kwargs: The installed TorchRL's other ``sample`` keywords (the nightly's
+                ``wait``, ``timeout``, ``cancel_event``), passed on as they are.
         """
         if include_info is not None:
             warnings.warn(
@@ -207,7 +210,7 @@ class _PinnedSampleMixin:
                 "the output tensordict.",
                 stacklevel=2,
             )
-        data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
+        data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True, **kwargs)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)

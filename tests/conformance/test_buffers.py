@@ -25,7 +25,8 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 from conformance.conftest import DONE, Impl, episodes
-from conftest import requires_cuda
+from conftest import requires_cuda, short_flat_batches, shutdown
+from fastreplay._torchrl import CHECKPOINTS_KEEP_PREFETCHED, TORCHRL_VERSION
 
 CAPACITY = 7  # odd, and small enough that every test wraps around
 BATCH = 5
@@ -246,7 +247,7 @@ def test_prefetch(impl: Impl) -> None:
             assert sample.batch_size == (BATCH,)
             assert_sample_is_stored(rb, sample)
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 def test_sample_without_batch_size_raises_and_changes_nothing(impl: Impl) -> None:
@@ -452,7 +453,7 @@ def test_per_prefetch(per_impl: Impl) -> None:
             sample.set("td_error", torch.rand(BATCH))
             rb.update_tensordict_priority(sample)
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 @pytest.mark.parametrize(
@@ -550,7 +551,7 @@ def check_include_info(
                     expected = stored_rows[key]
                 assert torch.equal(data[key], expected), key
     finally:
-        rb.shutdown()
+        shutdown(rb)
 
 
 @pytest.mark.parametrize("pin_memory", PIN)
@@ -568,6 +569,7 @@ def test_include_info_random_sampler(
 @pytest.mark.parametrize("prefetch", [None, 2])
 @pytest.mark.parametrize("return_info", [False, True])
 @pytest.mark.parametrize("include_info", [True, False, None])
+@short_flat_batches
 def test_include_info_slice_sampler(
     impl: Impl, include_info: bool | None, return_info: bool, prefetch: Any, pin_memory: bool
 ) -> None:
@@ -599,6 +601,11 @@ def test_per_include_info(
 
 
 @pytest.mark.parametrize("include_info", [None, False])
+@short_flat_batches
+@pytest.mark.skipif(
+    not CHECKPOINTS_KEEP_PREFETCHED,
+    reason=f"TorchRL {TORCHRL_VERSION}'s checkpoints do not carry prefetched samples",
+)
 def test_prefetched_samples_in_a_checkpoint_load_into_either_library(
     impl: Impl, include_info: bool | None
 ) -> None:
@@ -614,7 +621,7 @@ def test_prefetched_samples_in_a_checkpoint_load_into_either_library(
     state = rb.state_dict()
     with deprecation(include_info):
         expected = rb.sample(include_info=include_info)  # the first queued sample
-    rb.shutdown()
+    shutdown(rb)
     for side in map(Impl, ("torchrl", "fastreplay")):
         restored = make(side)
         restored.load_state_dict(state)
@@ -622,6 +629,6 @@ def test_prefetched_samples_in_a_checkpoint_load_into_either_library(
             with deprecation(include_info):
                 sample = restored.sample(include_info=include_info)
         finally:
-            restored.shutdown()
+            shutdown(restored)
         assert set(sample.keys(True)) == set(expected.keys(True)), side
         assert_same(sample, expected)

@@ -17,7 +17,8 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 from conformance.conftest import DONE, Impl, assert_slices_valid, episodes
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_slice_args, short_flat_batches, skip_unless_slice_args
+from fastreplay._torchrl import HAS_CAN_SAMPLE, TORCHRL_VERSION
 
 TERMINATED = ("next", "terminated")
 TRUNCATED = ("next", "truncated")
@@ -72,6 +73,7 @@ def test_is_init_marks_each_slice_start(impl: Impl) -> None:
 
 
 @pytest.mark.parametrize("strict", [True, False])
+@short_flat_batches
 def test_short_trajectories(impl: Impl, strict: bool) -> None:
     storage = trl.LazyTensorStorage(30)
     rb = _buffer(impl, storage, num_slices=4, traj_key="traj", strict_length=strict)
@@ -101,6 +103,7 @@ def test_ndim2_storage_keeps_environments_apart(impl: Impl) -> None:
     assert (index[1].view(6, 4).diff(dim=1) == 0).all()  # a slice stays in one environment
 
 
+@requires_slice_args("end_keys")
 def test_memmap_storage(impl: Impl, tmp_path) -> None:
     storage = trl.LazyMemmapStorage(23, scratch_dir=tmp_path)
     rb = _buffer(impl, storage, num_slices=2, end_keys=[DONE, TRUNCATED])
@@ -183,6 +186,7 @@ def test_replacement_false_builds_the_without_replacement_sampler(impl: Impl) ->
     assert type(plain) is impl.cls("SliceSampler")
 
 
+@requires_slice_args("end_keys")
 def test_end_keys_none_in_storage_fall_back_to_traj_ids(impl: Impl) -> None:
     storage = trl.LazyTensorStorage(40)
     rb = _buffer(impl, storage, num_slices=2, end_keys=[("next", "x"), ("next", "y")])
@@ -276,6 +280,7 @@ def _bad(case: str) -> tuple[Any, dict, Any, type]:
 )
 def test_bad_storages_raise_torchrls_error_class_and_change_nothing(impl: Impl, case: str) -> None:
     storage, kwargs, data, error = _bad(case)
+    skip_unless_slice_args(kwargs)
     rb = _buffer(impl, storage, num_slices=2, **kwargs)
     if data is not None:
         rb.extend(data)
@@ -327,6 +332,9 @@ def test_cuda_storage(impl: Impl) -> None:
     assert {start.device.type, stop.device.type, length.device.type} == {"cuda"}
 
 
+@pytest.mark.skipif(
+    not HAS_CAN_SAMPLE, reason=f"TorchRL {TORCHRL_VERSION}'s samplers have no can_sample"
+)
 def test_can_sample(impl: Impl) -> None:
     storage = trl.LazyTensorStorage(30)
     rb = _buffer(impl, storage, num_slices=2, end_key=DONE)

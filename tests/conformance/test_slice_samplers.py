@@ -16,6 +16,8 @@ import torch
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 from conformance.conftest import DONE, Impl, assert_slices_valid, episodes
+from conftest import short_flat_batches
+from fastreplay._torchrl import last_cursor_row
 
 ALPHA, BETA = 0.8, 0.6
 
@@ -38,7 +40,7 @@ def valid_starts(storage, seq_length: int, strict: bool, span_right: bool | int 
     traj = storage._storage.get("traj")
     traj = traj.reshape(rows, -1)
     size = storage._len_along_dim0
-    first = (storage._last_cursor_index + 1) % rows if storage._is_full else 0
+    first = (last_cursor_row(storage) + 1) % rows if storage._is_full else 0
     order = [(first + i) % rows for i in range(size)]
     k = 1 if span_right is True else seq_length - 1 - int(span_right)
     out = {}
@@ -173,6 +175,7 @@ def _wor_buffer(
 
 
 @pytest.mark.parametrize("columns", [None, 3])
+@short_flat_batches
 def test_wor_epoch_visits_every_trajectory_once(impl, lazy, columns) -> None:
     rb, sampler, storage = _wor_buffer(impl, 50, columns, lazy=lazy, num_slices=4, traj_key="traj")
     rb.extend(episodes(50, [5, 8, 6], columns=columns))
@@ -189,6 +192,7 @@ def test_wor_epoch_visits_every_trajectory_once(impl, lazy, columns) -> None:
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
+@short_flat_batches
 def test_wor_drop_last_and_exhaustion(impl, lazy, drop_last) -> None:
     rb, sampler, storage = _wor_buffer(
         impl, 7 * 10, batch=6, lazy=lazy, num_slices=3, traj_key="traj", drop_last=drop_last
@@ -216,6 +220,7 @@ def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl, lazy) -> None:
     assert torch.equal(storage[first]["traj"].view(2, 4)[:, 0], torch.tensor([0, 1]))
 
 
+@short_flat_batches
 def test_wor_short_trajectories_are_skipped_with_strict_length(impl, lazy) -> None:
     rb, sampler, storage = _wor_buffer(impl, 63, lazy=lazy, num_slices=4, traj_key="traj")
     rb.extend(episodes(60, [2, 9, 3, 12]))

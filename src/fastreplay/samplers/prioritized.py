@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from torchrl.data import PrioritizedSampler as _TorchRLPrioritizedSampler
-from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._segment_tree import PriorityTrees
 from fastreplay._segment_tree_numba import CHECK_MASS as _CHECK_MASS
 from fastreplay._segment_tree_numba import OK as _OK
 from fastreplay._signature import ConstructorSignature
+from fastreplay._torchrl import Storage
+from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 from fastreplay._tree_backends import make_trees
 from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
 

@@ -10,20 +10,25 @@ priority distribution restricted to valid starts without writing to any shared s
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict.utils import NestedKey
-from torchrl._utils import _replace_last
-from torchrl.data import PrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
-from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
-from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._signature import ConstructorSignature
+from fastreplay._torchrl import (
+    PRIORITIZED_SLICE_ARGS,
+    STATIC_BOUNDARIES,
+    TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
+    Storage,
+    _replace_last,
+)
+from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
+from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.samplers.prioritized import PrioritizedSampler, _locked
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
@@ -34,6 +39,25 @@ __all__ = ["PrioritizedSliceSampler"]
 _MAX_DRAWS_PER_SLICE = 64
 
 Locator = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+class _SliceArgumentsSignature(ConstructorSignature):
+    """The constructor's own arguments, then TorchRL's slice arguments (its ``**kwargs``).
+
+    Those are the keyword-only arguments of the installed TorchRL ``PrioritizedSliceSampler``,
+    which differ between TorchRL versions. O(arguments).
+    """
+
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature | None:
+        if instance is not None:
+            return None
+        init = list(inspect.signature(owner.__init__).parameters.values())[1:]
+        own = {p.name: p for p in init if p.kind is not p.VAR_KEYWORD}
+        # TorchRL's order, with this class's defaults, then the arguments TorchRL lacks.
+        params = [p for p in own.values() if p.kind is not p.KEYWORD_ONLY]
+        params += [own.pop(p.name, p) for p in TORCHRL_PRIORITIZED_SLICE_KEYWORDS]
+        params += [p for p in own.values() if p.kind is p.KEYWORD_ONLY]
+        return inspect.Signature(params)
 
 
 class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioritizedSliceSampler):
@@ -87,7 +111,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         True
     """
 
-    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
+    __signature__ = _SliceArgumentsSignature()  # TorchRL's metaclass hides __init__
 
     def __init__(
         self,
@@ -98,39 +122,18 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         dtype: torch.dtype = torch.float,
         reduction: str = "max",
         *,
-        num_slices: int | None = None,
-        slice_len: int | None = None,
-        end_key: NestedKey | None = None,
-        end_keys: Sequence[NestedKey] | None = None,
-        traj_key: NestedKey | None = None,
-        ends: torch.Tensor | None = None,
-        trajectories: torch.Tensor | None = None,
-        cache_values: bool = False,
-        truncated_key: NestedKey | None = ("next", "truncated"),
-        init_key: NestedKey | None = "is_init",
-        strict_length: bool = True,
-        compile: bool | dict = False,
-        span: bool | int | tuple[bool | int, bool | int] = False,
         max_priority_within_buffer: bool = True,
         upper_priority: float = math.inf,
         initial_priority: float = 1.0,
+        **kwargs: Any,
     ) -> None:
-        _TorchRLSliceSampler.__init__(
-            self,
-            num_slices=num_slices,
-            slice_len=slice_len,
-            end_key=end_key,
-            end_keys=end_keys,
-            traj_key=traj_key,
-            cache_values=cache_values,
-            truncated_key=truncated_key,
-            init_key=init_key,
-            strict_length=strict_length,
-            ends=ends,
-            trajectories=trajectories,
-            compile=compile,
-            span=span,
-        )
+        for name in kwargs:  # TorchRL's slice arguments, on the installed version
+            if name not in PRIORITIZED_SLICE_ARGS:
+                raise TypeError(
+                    f"{type(self).__name__}.__init__() got an unexpected keyword argument "
+                    f"{name!r}; it takes: {', '.join(inspect.signature(type(self)).parameters)}."
+                )
+        _TorchRLSliceSampler.__init__(self, **kwargs)
         PrioritizedSampler.__init__(
             self,
             max_capacity,
@@ -151,8 +154,8 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                 stacklevel=2,
             )
             self.span = (0, self.span[1])
-        self.num_slices = _check_count("num_slices", num_slices)
-        self.slice_len = _check_count("slice_len", slice_len)
+        self.num_slices = _check_count("num_slices", self.num_slices)
+        self.slice_len = _check_count("slice_len", self.slice_len)
         self._fr_init_state()  # the trajectory index, told about every write
         self._fr_static: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -196,17 +199,17 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
         """Trajectory boundaries in TorchRL's format, from the index (``O(trajectories)``)."""
-        if "static-stop-and-length" in self._cache:
-            return self._cache["static-stop-and-length"]
+        if STATIC_BOUNDARIES in self._cache:
+            return self._cache[STATIC_BOUNDARIES]
         return SliceSampler._get_stop_and_length(self, storage, fallback)
 
     # ------------------------------------------------------------------ valid starts
     def _fr_locator(self, storage: Any, seq_length: int, k: int) -> Locator:
         """``(rows, columns) -> (position in trajectory, trajectory length)`` for stored items."""
         rows = int(storage.shape[0])
-        if "static-stop-and-length" in self._cache:
+        if STATIC_BOUNDARIES in self._cache:
             if self._fr_static is None:  # static boundaries: one O(capacity) table, kept
-                start, _, length = self._cache["static-stop-and-length"]
+                start, _, length = self._cache[STATIC_BOUNDARIES]
                 pos = torch.cat([torch.arange(n) for n in length.tolist()])
                 row = (torch.repeat_interleave(start[:, 0], length) + pos) % rows
                 table_pos = torch.zeros(rows, dtype=torch.long)

@@ -5,19 +5,25 @@ from __future__ import annotations
 import inspect
 import operator
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
-from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
-from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
-from torchrl.data.replay_buffers.storages import TensorStorage
-from torchrl.data.replay_buffers.writers import RoundRobinWriter
 
 from fastreplay._signature import constructor_signature
+from fastreplay._torchrl import (
+    _REPLACEMENT_DISPATCH,
+    STATIC_BOUNDARIES,
+    RoundRobinWriter,
+    SliceSamplerBase,
+    TensorStorage,
+    last_cursor_row,
+    mutation_revision,
+    pads_short_slices,
+)
+from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay._trajectory_index import TrajectoryIndex
 
 __all__ = [
@@ -157,7 +163,12 @@ class _BoundaryKey:
         try:
             return instance.__dict__[self.name]
         except KeyError:
-            raise AttributeError(self.name) from None
+            pass
+        for klass in owner.__mro__:  # a default for a TorchRL version without the argument
+            default = vars(klass).get(self.name, self)
+            if not isinstance(default, _BoundaryKey):
+                return default
+        raise AttributeError(self.name)
 
     def __set__(self, instance: Any, value: Any) -> None:
         state = instance.__dict__
@@ -192,7 +203,7 @@ def _check_count(name: str, value: Any) -> Any:
     return count
 
 
-class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
+class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     """Drop-in ``torchrl.data.SliceSampler`` whose trajectory boundaries are kept up to date.
 
     Same constructor arguments and same outputs (index format, ``truncated``/``done``/
@@ -245,57 +256,21 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
     end_keys = _BoundaryKey()
     traj_key = _BoundaryKey()
 
-    def __init__(
-        self,
-        *,
-        replacement: bool = True,
-        num_slices: int | None = None,
-        slice_len: int | None = None,
-        end_key: NestedKey | None = None,
-        end_keys: Sequence[NestedKey] | None = None,
-        traj_key: NestedKey | None = None,
-        step_key: NestedKey | None = "step_count",
-        fragmented: bool = False,
-        ends: torch.Tensor | None = None,
-        trajectories: torch.Tensor | None = None,
-        cache_values: bool = False,
-        truncated_key: NestedKey | None = ("next", "truncated"),
-        init_key: NestedKey | None = "is_init",
-        strict_length: bool = True,
-        pad_output: bool = False,
-        compile: bool | dict = False,
-        span: bool | int | tuple[bool | int, bool | int] = False,
-        use_gpu: torch.device | bool = False,
-    ) -> None:
-        """Build the sampler; arguments as in ``torchrl.data.SliceSampler``.
+    def __init__(self, **kwargs: Any) -> None:
+        """Build the sampler; arguments as in the installed ``torchrl.data.SliceSampler``.
+
+        Every keyword goes to TorchRL's constructor, so each TorchRL version's arguments are
+        accepted (and shown by ``inspect.signature``) as they are.
 
         ``replacement=False`` builds :func:`without_replacement_class` instead (the metaclass
         reads it before ``__init__`` runs); ``True``, the default, builds this class.
 
         Raises:
             TypeError: ``num_slices``/``slice_len`` is not an integer (and TorchRL's own
-                errors for exclusive or missing arguments).
+                errors for exclusive, missing or unknown arguments).
             SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
         """
-        arguments: dict[str, Any] = dict(
-            num_slices=num_slices,
-            slice_len=slice_len,
-            end_key=end_key,
-            end_keys=end_keys,
-            traj_key=traj_key,
-            step_key=step_key,
-            fragmented=fragmented,
-            ends=ends,
-            trajectories=trajectories,
-            cache_values=cache_values,
-            truncated_key=truncated_key,
-            init_key=init_key,
-            strict_length=strict_length,
-            pad_output=pad_output,
-            compile=compile,
-            span=span,
-            use_gpu=use_gpu,
-        )
+        fragmented = bool(kwargs.get("fragmented", False))
         if fragmented:
             # TorchRL accepts fragmented=True only where ``sample`` is its own class's: this
             # class's ``sample`` serves it with TorchRL's code, its subclasses' may not.
@@ -303,12 +278,13 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
                 raise NotImplementedError(
                     "fragmented=True currently supports SliceSampler with replacement only."
                 )
-            _TorchRLSliceSampler(**arguments)  # TorchRL's other checks, errors and messages
-            arguments["fragmented"] = False  # the flag is read at sample time only
-        super().__init__(**arguments)
-        self.fragmented = fragmented
-        self.num_slices = _check_count("num_slices", num_slices)
-        self.slice_len = _check_count("slice_len", slice_len)
+            _TorchRLSliceSampler(**kwargs)  # TorchRL's other checks, errors and messages
+            kwargs["fragmented"] = False  # the flag is read at sample time only
+        super().__init__(**kwargs)
+        if fragmented:
+            self.fragmented = True
+        self.num_slices = _check_count("num_slices", self.num_slices)
+        self.slice_len = _check_count("slice_len", self.slice_len)
         self._fr_init_state()
 
     def _fr_init_state(self) -> None:
@@ -392,7 +368,7 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
     # ----------------------------------------------------------------------- the index
     def _fr_fast(self, storage: Any) -> bool:
         """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
-        if self.fragmented or self.use_gpu or "static-stop-and-length" in self._cache:
+        if self.fragmented or self.use_gpu or STATIC_BOUNDARIES in self._cache:
             return False
         if not isinstance(storage, TensorStorage):
             return False  # ListStorage, LazyStackStorage, ...: TorchRL's path and errors
@@ -514,7 +490,7 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
             and same_storage
             and not self._fr_pending_writes
             and not self._fr_dirty
-            and storage._mutation_revision == self._fr_revision
+            and mutation_revision(storage, self._fr_revision) == self._fr_revision
         ):
             return index  # nothing written since the last sync: O(1)
         self._fr_attach(storage)
@@ -522,7 +498,7 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
         leaves = self._fr_leaves(storage, mode, keys)
         rows = int(storage._storage.shape[0])
         spec = (mode, keys, rows, leaves[0].shape[1], leaves[0].device)
-        revision = storage._mutation_revision
+        revision = mutation_revision(storage, self._fr_revision + self._fr_pending_writes)
         index, base = self._fr_index, self._fr_revision
         if index is None or spec != self._fr_spec or not same_storage:
             # A storage is created at revision 0: a sampler attached from the start has been
@@ -559,7 +535,7 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
         ``load_state_dict``/``loads`` the round-robin writer's restored cursor says where the
         newest item is (TorchRL then treats the end of the storage as the newest item).
         """
-        cursor = storage._last_cursor_index
+        cursor = last_cursor_row(storage)
         if cursor is not None and not self._fr_loaded:
             return cursor
         rows = int(storage._storage.shape[0])
@@ -757,8 +733,8 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
         seq: int | torch.Tensor = seq_length
         if any_short and not self.strict_length:
             seq = length.clamp_max(seq_length)
-            target = seq_length if self.pad_output else None
-        return self._get_index(
+            target = seq_length if pads_short_slices(self) else None
+        result = self._get_index(
             lengths=length,
             start_idx=start_idx,
             stop_idx=start_idx,
@@ -769,3 +745,5 @@ class SliceSampler(_TorchRLSliceSampler, metaclass=_SliceSamplerMeta):
             target_seq_length=target,
             storage=storage,
         )
+        self._warn_if_short_batch(result[0], batch_size)  # as TorchRL's ``sample`` (nightly)
+        return result

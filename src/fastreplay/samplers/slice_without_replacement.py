@@ -10,25 +10,30 @@ a new epoch when the number of trajectories changes) follows TorchRL's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict.utils import NestedKey
-from torchrl._utils import _replace_last
-from torchrl.data import SliceSamplerWithoutReplacement as _TorchRLSliceSamplerWithoutReplacement
-from torchrl.data.replay_buffers.samplers.base import _REPLACEMENT_DISPATCH
-from torchrl.data.replay_buffers.storages import Storage
 
 from fastreplay._epoch_permutation import EpochPermutation
 from fastreplay._signature import ConstructorSignature
+from fastreplay._torchrl import (
+    _REPLACEMENT_DISPATCH,
+    STATIC_BOUNDARIES,
+    SliceSamplerWithoutReplacementBase,
+    Storage,
+    TorchRLSliceSamplerWithoutReplacement,
+    _replace_last,
+    is_batch_time,
+    pads_short_slices,
+)
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
 __all__ = ["SliceSamplerWithoutReplacement"]
 
 
-class SliceSamplerWithoutReplacement(SliceSampler, _TorchRLSliceSamplerWithoutReplacement):
+class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacementBase):
     """Drop-in ``torchrl.data.SliceSamplerWithoutReplacement`` that does not rescan the buffer.
 
     Same arguments, outputs and epoch semantics as TorchRL's class: each ``sample`` takes the
@@ -71,57 +76,25 @@ class SliceSamplerWithoutReplacement(SliceSampler, _TorchRLSliceSamplerWithoutRe
     # TorchRL's arguments exactly (``replacement=False`` is still accepted, as a no-op).
     __signature__ = ConstructorSignature()
 
-    def __init__(
-        self,
-        *,
-        num_slices: int | None = None,
-        slice_len: int | None = None,
-        drop_last: bool = False,
-        end_key: NestedKey | None = None,
-        end_keys: Sequence[NestedKey] | None = None,
-        traj_key: NestedKey | None = None,
-        ends: torch.Tensor | None = None,
-        trajectories: torch.Tensor | None = None,
-        truncated_key: NestedKey | None = ("next", "truncated"),
-        init_key: NestedKey | None = "is_init",
-        strict_length: bool = True,
-        shuffle: bool = True,
-        compile: bool | dict = False,
-        use_gpu: bool | torch.device = False,
-    ) -> None:
-        """Build the sampler; arguments as in ``torchrl.data.SliceSamplerWithoutReplacement``.
+    def __init__(self, **kwargs: Any) -> None:
+        """Build the sampler; arguments as in the installed TorchRL class.
 
         ``replacement=False`` is accepted as a no-op (the metaclass removes it before
         ``__init__`` runs), as TorchRL's class accepts it.
 
         Raises:
             TypeError: ``num_slices``/``slice_len`` is not an integer (and TorchRL's own
-                errors for exclusive or missing arguments).
+                errors for exclusive, missing or unknown arguments).
             SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
         """
-        # TorchRL's __init__ (it runs TorchRL's SliceSampler.__init__ and the epoch state's).
-        _TorchRLSliceSamplerWithoutReplacement.__init__(
-            self,
-            num_slices=num_slices,
-            slice_len=slice_len,
-            drop_last=drop_last,
-            end_key=end_key,
-            end_keys=end_keys,
-            traj_key=traj_key,
-            ends=ends,
-            trajectories=trajectories,
-            truncated_key=truncated_key,
-            init_key=init_key,
-            strict_length=strict_length,
-            shuffle=shuffle,
-            compile=compile,
-            use_gpu=use_gpu,
-        )
-        self.num_slices = _check_count("num_slices", num_slices)
-        self.slice_len = _check_count("slice_len", slice_len)
+        # TorchRL's __init__ (it runs TorchRL's SliceSampler.__init__ and the epoch state's),
+        # with the installed version's arguments as they are.
+        TorchRLSliceSamplerWithoutReplacement.__init__(self, **kwargs)
+        self.num_slices = _check_count("num_slices", self.num_slices)
+        self.slice_len = _check_count("slice_len", self.slice_len)
         self._fr_init_state()
         # Static boundaries are a constructor argument: TorchRL's path serves them for good.
-        self._fr_static = "static-stop-and-length" in self._cache
+        self._fr_static = STATIC_BOUNDARIES in self._cache
         self._fr_perm = EpochPermutation()
 
     def _fr_fast(self, storage: Any) -> bool:
@@ -155,7 +128,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, _TorchRLSliceSamplerWithoutRe
         drawn (end of an epoch, or a change in the number of stored trajectories), as TorchRL.
         """
         if not self._fr_fast(storage):
-            return _TorchRLSliceSamplerWithoutReplacement.sample(self, storage, batch_size)
+            return TorchRLSliceSamplerWithoutReplacement.sample(self, storage, batch_size)
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
         seq_length, num_slices = self._fr_batch(batch_size)
@@ -190,13 +163,15 @@ class SliceSamplerWithoutReplacement(SliceSampler, _TorchRLSliceSamplerWithoutRe
                 start, length, col = index.select(ranks, 1)
             else:
                 seq = torch.from_numpy(length).clamp_max(seq_length)
-                target = seq_length if self.pad_output else None
-        if target is None and not any(self.span):
-            return self._fr_slices_at(storage, start, length, col, seq)
+                target = seq_length if pads_short_slices(self) else None
+        if target is None and not any(self.span) and not is_batch_time(self):
+            result = self._fr_slices_at(storage, start, length, col, seq)
+            self._warn_if_short_batch(result[0], batch_size)  # as TorchRL's ``sample`` (nightly)
+            return result
         start_idx = SliceSampler._fr_with_coords(
             storage, torch.from_numpy(start), torch.from_numpy(col)
         )
-        return super()._get_index(
+        result = super()._get_index(
             lengths=torch.from_numpy(length),
             start_idx=start_idx,
             stop_idx=start_idx,
@@ -207,6 +182,8 @@ class SliceSamplerWithoutReplacement(SliceSampler, _TorchRLSliceSamplerWithoutRe
             target_seq_length=target,
             storage=storage,
         )
+        self._warn_if_short_batch(result[0], batch_size)
+        return result
 
     def _fr_slices_at(
         self,

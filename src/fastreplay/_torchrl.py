@@ -1,0 +1,381 @@
+"""The one module that knows which TorchRL is installed.
+
+fastreplay supports TorchRL 0.13.x, 0.14.x and the next release (``torchrl-nightly``) from one
+code base. Every other module imports TorchRL's classes and private helpers from here, and
+every behaviour that differs between those versions has one name here (a constant or a
+function), read where it matters. Each is detected from the installed code itself (an
+argument, an attribute, a method), never from a version number: the nightly's
+``torchrl.__version__`` is a date.
+
+What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14`` = 0.14.1,
+``nightly`` = torchrl-nightly 2026.10.27):
+
+* **Module layout.** 0.13 keeps every sampler in one module, ``torchrl.data.replay_buffers.
+  samplers``; 0.14 and the nightly split it into a package (``samplers.base``,
+  ``samplers.slice``...). The package re-exports what fastreplay needs
+  (``_REPLACEMENT_DISPATCH`` included), so everything is imported from
+  ``torchrl.data.replay_buffers.samplers`` here, which both layouts provide.
+* **SliceSampler's constructor** (:data:`SLICE_SAMPLER_ARGS`): 0.14 added ``end_keys``,
+  ``step_key``, ``fragmented`` and ``init_key``; the nightly added ``output_layout``,
+  ``slice_end_key`` and ``time_dim_name`` (also on ``SliceSamplerWithoutReplacement``).
+  fastreplay's samplers forward their keyword arguments to TorchRL's and read their
+  signature from it, so each version's arguments are accepted, and shown, by themselves.
+* **PrioritizedSliceSampler's constructor** (:data:`TORCHRL_PRIORITIZED_SLICE_KEYWORDS`):
+  its keyword-only arguments, passed on to ``SliceSampler``; 0.13 has no ``end_keys``/
+  ``init_key``, and no version has ``output_layout``.
+* **The index-to-info hook** (:data:`HAS_FINALIZE_INDEX`): 0.14 and the nightly build the
+  ``truncated``/``done``/``terminated`` info and the ``is_init`` markers in
+  ``SliceSampler._finalize_index``; 0.13 does it inline at the end of ``_get_index``, with the
+  marker key fixed to ``"is_init"``. :class:`SliceSamplerBase` adds 0.13's code as
+  ``_finalize_index`` there, so the samplers call one hook everywhere.
+* **The static boundary cache** (:data:`STATIC_BOUNDARIES`): the key under which
+  ``SliceSampler(ends=...)``/``(trajectories=...)`` keeps its boundaries in ``_cache``:
+  ``"static-stop-and-length"`` on 0.14 and the nightly, ``"stop-and-length"`` on 0.13 (where
+  ``cache_values=True`` also caches boundaries read from the storage under that key).
+* **Storage revision** (:func:`mutation_revision`): 0.14 and the nightly count every write to
+  a storage (``Storage._mutation_revision``, shared with spawned processes); 0.13 has no such
+  counter. There the trajectory index trusts the writes the sampler is told about
+  (``extend``/``add``/``empty``/checkpoint loads), as TorchRL 0.13's own
+  ``cache_values=True`` does: writes it is not told about need
+  ``SliceSampler.invalidate_boundaries()``.
+* **Last written row** (:func:`last_cursor_row`): ``Storage._last_cursor_index`` (an int,
+  shared with spawned processes) on 0.14 and the nightly; 0.13 keeps the raw cursor passed to
+  ``set`` in ``_last_cursor``, per process (a learner does not see where writer processes
+  are, so a trajectory being written there looks cut at the end of the storage).
+* **Batch-time output** (:data:`OUTPUT_LAYOUTS`, :func:`pads_short_slices`): the nightly's
+  ``SliceSampler(output_layout="batch_time")`` returns ``[num_slices, time]`` indices, pads
+  short slices (``strict_length=False``) by repeating their last step, and returns
+  ``slice_end_key``, ``("collector", "mask")`` (``strict_length=False`` only) and ``is_init``
+  in ``info`` instead of the ``truncated``/``done``/``terminated`` flags; the buffer names
+  the time dimension ``time_dim_name`` (``Sampler._set_sample_names``). Earlier versions
+  only know the flat layout. ``PrioritizedSliceSampler`` has no ``output_layout`` on any
+  version (the nightly's samples it flat).
+* **Short flat batch warning** (:data:`WARNS_SHORT_FLAT_BATCH`): the nightly's
+  ``SliceSampler``/``SliceSamplerWithoutReplacement`` warn once per sampler (``UserWarning``
+  "SliceSampler returned a short flat batch: ...") when a flat ``sample`` returns fewer
+  steps than asked for (``strict_length=False`` without ``pad_output``, a right ``span``,
+  or short trajectories dropped without replacement); 0.13 and 0.14 do not warn.
+  :class:`SliceSamplerBase` gives the nightly's ``_warn_if_short_batch`` to every version (a
+  no-op where TorchRL has none), and fastreplay's fast paths call it where TorchRL does.
+* **Sampler attributes**: the nightly's ``Sampler.requires_shared_state`` (``False`` for
+  ``SliceSampler``, ``True`` for the without-replacement and prioritized ones) is inherited
+  as it is.
+* **PrioritizedSampler.alpha** (:data:`ALPHA_CHANGE_RETRANSFORMS`): setting ``alpha`` on a
+  sampler holding priorities re-transforms the stored ``(p + eps) ** alpha`` values on 0.14
+  and the nightly; 0.13 keeps them and warns once ("Changing alpha on a PrioritizedSampler
+  ...") when ``max_priority_within_buffer=True``.
+* **Boundary recovery** (:func:`find_start_stop_traj`): TorchRL's one-shot recovery of
+  trajectory boundaries is the public ``torchrl.data.find_start_stop_traj`` from 0.14 on,
+  the ``SliceSampler._find_start_stop_traj`` method on 0.13 (the same results).
+* **Ray runtime** (:func:`ray_runtime_lease`): from 0.14 on, TorchRL counts its holds on the
+  Ray runtime (``torchrl._comm.ray_runtime._RayRuntimeLease``); 0.13 has no such count.
+* **Sampler.can_sample** (:data:`HAS_CAN_SAMPLE`): 0.14 added ``Sampler.can_sample(storage,
+  batch_size)`` (and ``ReplayBuffer.can_sample``); 0.13 has neither. fastreplay's samplers
+  inherit it where TorchRL has it.
+* **Consuming samplers** (:func:`is_consuming`): 0.14 added ``ConsumingSampler`` and
+  ``ReplayBuffer._is_consuming()``; 0.13 has neither (no buffer consumes).
+* **Buffer life cycle** (:data:`CHECKPOINTS_KEEP_PREFETCHED`): 0.14 added
+  ``ReplayBuffer.shutdown()``/``synchronize()`` and checkpoints (``state_dict``, ``dumps``,
+  pickling) that carry the prefetched samples; 0.13 has none of them (its checkpoints drop the
+  prefetch queue).
+* **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
+  ``timeout`` and ``cancel_event`` keywords, which fastreplay's buffers forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torchrl
+from torchrl._utils import _replace_last
+from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampler
+from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
+from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritizedBuffer
+from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
+from torchrl.data.replay_buffers import RandomSampler
+from torchrl.data.replay_buffers import ReplayBuffer as TorchRLReplayBuffer
+from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer as TorchRLRayReplayBuffer
+from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH, Sampler
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
+from torchrl.data.replay_buffers.samplers import SliceSampler as TorchRLSliceSampler
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
+
+__all__ = [
+    "ALPHA_CHANGE_RETRANSFORMS",
+    "PRIORITIZED_SLICE_ARGS",
+    "TORCHRL_PRIORITIZED_SLICE_KEYWORDS",
+    "SHORT_FLAT_BATCH_MESSAGE",
+    "STORAGE_HAS_REVISION",
+    "CHECKPOINTS_KEEP_PREFETCHED",
+    "HAS_CAN_SAMPLE",
+    "HAS_FINALIZE_INDEX",
+    "OUTPUT_LAYOUTS",
+    "SLICE_SAMPLER_ARGS",
+    "STATIC_BOUNDARIES",
+    "TORCHRL_VERSION",
+    "WARNS_SHORT_FLAT_BATCH",
+    "RandomSampler",
+    "RoundRobinWriter",
+    "Sampler",
+    "SliceSamplerBase",
+    "SliceSamplerWithoutReplacementBase",
+    "Storage",
+    "TensorDictRoundRobinWriter",
+    "TensorStorage",
+    "TorchRLBuffer",
+    "TorchRLPrioritizedBuffer",
+    "TorchRLPrioritizedSampler",
+    "TorchRLPrioritizedSliceSampler",
+    "TorchRLRayReplayBuffer",
+    "TorchRLReplayBuffer",
+    "TorchRLSliceSampler",
+    "TorchRLSliceSamplerWithoutReplacement",
+    "_REPLACEMENT_DISPATCH",
+    "_replace_last",
+    "find_start_stop_traj",
+    "is_batch_time",
+    "is_consuming",
+    "last_cursor_row",
+    "mutation_revision",
+    "pads_short_slices",
+    "ray_runtime_lease",
+]
+
+TORCHRL_VERSION: str = torchrl.__version__
+"""The installed TorchRL's version string (for messages; a date on the nightly)."""
+
+
+def _init_args(cls: type) -> frozenset[str]:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not ``self``
+    return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+SLICE_SAMPLER_ARGS: frozenset[str] = _init_args(TorchRLSliceSampler)
+"""``torchrl.data.SliceSampler``'s constructor arguments on the installed version.
+
+0.13: no ``end_keys``/``step_key``/``fragmented``/``init_key``; 0.14 adds them; the nightly
+adds ``output_layout``/``slice_end_key``/``time_dim_name``.
+"""
+
+TORCHRL_PRIORITIZED_SLICE_KEYWORDS: tuple[inspect.Parameter, ...] = tuple(
+    p
+    for p in inspect.signature(TorchRLPrioritizedSliceSampler.__init__).parameters.values()
+    if p.kind is p.KEYWORD_ONLY
+)
+"""``torchrl.data.PrioritizedSliceSampler``'s keyword-only arguments, in its order: those it
+passes on to ``SliceSampler`` (0.13: no ``end_keys``/``init_key``; 0.14 and the nightly add
+them, and no ``output_layout``), then ``max_priority_within_buffer``."""
+
+PRIORITIZED_SLICE_ARGS: frozenset[str] = frozenset(
+    p.name for p in TORCHRL_PRIORITIZED_SLICE_KEYWORDS if p.name != "max_priority_within_buffer"
+)
+"""The names of those it passes on to ``SliceSampler``."""
+
+OUTPUT_LAYOUTS: tuple[str, ...] = (
+    ("flat", "batch_time") if "output_layout" in SLICE_SAMPLER_ARGS else ("flat",)
+)
+"""The ``output_layout`` values ``SliceSampler`` takes: ``("flat", "batch_time")`` on the
+nightly; 0.13 and 0.14 have no ``output_layout`` argument (always flat)."""
+
+HAS_FINALIZE_INDEX: bool = hasattr(TorchRLSliceSampler, "_finalize_index")
+"""Whether TorchRL's ``SliceSampler`` has the ``_finalize_index`` hook (0.14, nightly); 0.13
+builds the info inline in ``_get_index``."""
+
+STATIC_BOUNDARIES: str = "static-stop-and-length" if HAS_FINALIZE_INDEX else "stop-and-length"
+"""``SliceSampler._cache`` key of the boundaries given by ``ends=``/``trajectories=``:
+``"static-stop-and-length"`` on 0.14 and the nightly, ``"stop-and-length"`` on 0.13."""
+
+WARNS_SHORT_FLAT_BATCH: bool = hasattr(TorchRLSliceSampler, "_warn_if_short_batch")
+"""Whether TorchRL's slice samplers warn ("SliceSampler returned a short flat batch") when a
+flat sample is shorter than asked for: the nightly does, once per sampler; 0.13/0.14 do not."""
+
+SHORT_FLAT_BATCH_MESSAGE = "SliceSampler returned a short flat batch"
+"""The start of that warning's message (for ``filterwarnings``)."""
+
+ALPHA_CHANGE_RETRANSFORMS: bool = hasattr(TorchRLPrioritizedSampler, "_retransform_priority_trees")
+"""Whether TorchRL's ``PrioritizedSampler`` re-transforms stored priorities when ``alpha``
+changes (0.14, nightly). 0.13 keeps them and warns once instead."""
+
+
+CHECKPOINTS_KEEP_PREFETCHED: bool = hasattr(TorchRLReplayBuffer, "_capture_prefetch_state")
+"""Whether buffer checkpoints carry the prefetched samples (0.14, nightly); 0.13's do not."""
+
+HAS_CAN_SAMPLE: bool = hasattr(Sampler, "can_sample")
+"""Whether TorchRL's samplers have ``can_sample`` (0.14, nightly); 0.13's do not."""
+
+
+def mutation_revision(storage: Any, assumed: int) -> int:
+    """The storage's write counter (``Storage._mutation_revision``). O(1).
+
+    Args:
+        storage: A TorchRL storage.
+        assumed: The value to return where the storage keeps no counter (TorchRL 0.13): the
+            revision the caller expects if every write was reported to it.
+
+    Returns:
+        The counter on TorchRL 0.14 and the nightly, ``assumed`` on 0.13.
+    """
+    if _STORAGE_HAS_REVISION:
+        return storage._mutation_revision
+    return assumed
+
+
+_STORAGE_HAS_REVISION: bool = hasattr(Storage, "_mutation_revision")
+
+STORAGE_HAS_REVISION: bool = _STORAGE_HAS_REVISION
+"""Whether storages count their writes (0.14, nightly), so that a sampler sees writes it was
+not told about (another buffer, ``rb[idx] = ...``, another process); 0.13's do not."""
+
+
+def last_cursor_row(storage: Any) -> int | None:
+    """The time row of the storage's last write, or ``None``. O(1).
+
+    TorchRL 0.14 and the nightly keep it as ``_last_cursor_index``; 0.13 keeps the cursor as
+    passed to ``set`` (an int, a tensor, a range, a tuple of them) in ``_last_cursor``.
+    """
+    if _STORAGE_HAS_REVISION:
+        return storage._last_cursor_index
+    cursor = getattr(storage, "_last_cursor", None)
+    if isinstance(cursor, (tuple, list)):
+        cursor = cursor[0] if cursor else None
+    if isinstance(cursor, torch.Tensor):
+        cursor = cursor.reshape(-1)
+        return int(cursor[-1]) if cursor.numel() else None
+    if isinstance(cursor, range):
+        return cursor[-1] if len(cursor) else None
+    if isinstance(cursor, slice):
+        rows = range(*cursor.indices(storage.max_size))
+        return rows[-1] if len(rows) else None
+    return None if cursor is None else int(cursor)
+
+
+def find_start_stop_traj(
+    *,
+    trajectory: torch.Tensor | None = None,
+    end: torch.Tensor | None = None,
+    at_capacity: bool,
+    cursor: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TorchRL's ``(start, stop, length)`` of the trajectories in ``trajectory`` or ``end``.
+
+    ``torchrl.data.find_start_stop_traj`` where it exists (0.14+), else (0.13) TorchRL's
+    ``SliceSampler._find_start_stop_traj``. O(rows).
+    """
+    try:
+        from torchrl.data import find_start_stop_traj as find
+    except ImportError:  # TorchRL 0.13
+        find = TorchRLSliceSampler(num_slices=1)._find_start_stop_traj
+    return find(trajectory=trajectory, end=end, at_capacity=at_capacity, cursor=cursor)
+
+
+def ray_runtime_lease() -> Any:
+    """TorchRL's counter of holds on the Ray runtime (0.14+), or ``None`` (0.13)."""
+    try:
+        from torchrl._comm.ray_runtime import _RayRuntimeLease
+    except ImportError:
+        return None
+    return _RayRuntimeLease
+
+
+def is_consuming(buffer: Any) -> bool:
+    """Whether ``buffer`` consumes what it samples (``ReplayBuffer._is_consuming()``, 0.14+).
+
+    TorchRL 0.13 has no consuming sampler: ``False`` there. O(1).
+    """
+    method = getattr(buffer, "_is_consuming", None)
+    return bool(method()) if method is not None else False
+
+
+def is_batch_time(sampler: Any) -> bool:
+    """Whether ``sampler`` returns ``[num_slices, time]`` samples (nightly's ``batch_time``)."""
+    return getattr(sampler, "output_layout", "flat") == "batch_time"
+
+
+def pads_short_slices(sampler: Any) -> bool:
+    """Whether ``sampler`` pads short slices (``strict_length=False``) to the slice length.
+
+    ``pad_output=True`` on every version, and ``output_layout="batch_time"`` on the nightly.
+    """
+    return bool(getattr(sampler, "pad_output", False)) or is_batch_time(sampler)
+
+
+class _SliceHooks:
+    """The newest TorchRL ``SliceSampler``'s hooks and attributes, on every version.
+
+    * ``end_keys`` (``None``), ``fragmented`` (``False``), ``init_key`` (``"is_init"``) and
+      ``output_layout`` (``"flat"``): the attributes of arguments older versions lack, with
+      the behaviour those versions have.
+    * ``_finalize_index`` (0.14+): on 0.13, the end of 0.13's ``_get_index``, moved here.
+    * ``_warn_if_short_batch`` (nightly): a no-op where TorchRL does not warn.
+
+    Nothing is defined where the installed TorchRL has it.
+    """
+
+    if "end_keys" not in SLICE_SAMPLER_ARGS:
+        end_keys = None
+    if "fragmented" not in SLICE_SAMPLER_ARGS:
+        fragmented = False
+    if "init_key" not in SLICE_SAMPLER_ARGS:
+        init_key = "is_init"
+    if "output_layout" not in SLICE_SAMPLER_ARGS:
+        output_layout = "flat"
+
+    if not WARNS_SHORT_FLAT_BATCH:
+
+        def _warn_if_short_batch(self, index: Any, requested_size: int) -> None:
+            """TorchRL 0.13/0.14 do not warn on short flat batches."""
+
+    if not HAS_FINALIZE_INDEX:
+
+        def _finalize_index(
+            self,
+            *,
+            index: torch.Tensor,
+            num_slices: int,
+            seq_length: int | torch.Tensor,
+            target_seq_length: int | None,
+            mask_flat: torch.Tensor | None,
+            storage: Any,
+        ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+            """TorchRL 0.13's ``_get_index`` tail: the slice flags and ``is_init`` markers."""
+            info: dict[Any, Any] = {}
+            if self.truncated_key is not None:
+                truncated_key = self.truncated_key
+                done_key = _replace_last(truncated_key, "done")
+                terminated_key = _replace_last(truncated_key, "terminated")
+                truncated = torch.zeros((index.shape[0], 1), dtype=torch.bool, device=index.device)
+                if target_seq_length is not None and isinstance(seq_length, torch.Tensor):
+                    positions = torch.arange(
+                        num_slices, device=seq_length.device
+                    ) * target_seq_length + (seq_length - 1).clamp(min=0)
+                    truncated[positions] = 1
+                elif isinstance(seq_length, int):
+                    truncated.view(num_slices, -1)[:, -1] = 1
+                else:
+                    truncated[seq_length.cumsum(0) - 1] = 1
+                index = index.to(torch.long).unbind(-1)
+                st_index = storage[index]
+                done = st_index.get(done_key, default=None)
+                done = truncated.clone() if done is None else done | truncated
+                terminated = st_index.get(terminated_key, default=None)
+                if terminated is None:
+                    terminated = torch.zeros_like(truncated)
+                info = {truncated_key: truncated, done_key: done, terminated_key: terminated}
+            else:
+                index = index.to(torch.long).unbind(-1)
+                st_index = storage[index]
+            if mask_flat is not None:
+                info[("collector", "mask")] = mask_flat
+            self._maybe_emit_init_marker(info, st_index, num_slices, seq_length, target_seq_length)
+            return index, info
+
+
+class SliceSamplerBase(_SliceHooks, TorchRLSliceSampler):
+    """TorchRL's ``SliceSampler`` with :class:`_SliceHooks` (the base of fastreplay's)."""
+
+
+class SliceSamplerWithoutReplacementBase(_SliceHooks, TorchRLSliceSamplerWithoutReplacement):
+    """TorchRL's ``SliceSamplerWithoutReplacement`` with :class:`_SliceHooks`."""

@@ -1,0 +1,307 @@
+"""One code base for every supported TorchRL: 0.13.x, 0.14.x and the nightly.
+
+What differs between TorchRL versions has one name in ``fastreplay._torchrl``; these tests
+check each name against the installed TorchRL's own behaviour (so they hold on every version),
+and compare fastreplay's samplers with the installed TorchRL's where a version adds something:
+the nightly's ``output_layout="batch_time"`` and its short-flat-batch warning.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torchrl.data as trl
+
+import fastreplay
+from conformance.conftest import DONE, episodes
+from conftest import TORCHRL_EXT
+from fastreplay import _torchrl as compat
+
+_P = inspect.Parameter
+SLICE_CLASSES = ("SliceSampler", "SliceSamplerWithoutReplacement")
+BATCH_TIME = pytest.mark.skipif(
+    "batch_time" not in compat.OUTPUT_LAYOUTS,
+    reason=f"TorchRL {compat.TORCHRL_VERSION} has no SliceSampler(output_layout='batch_time')",
+)
+
+
+def _init_params(cls: type) -> dict[str, inspect.Parameter]:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return {p.name: p for p in params if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
+
+
+# ------------------------------------------------------------ the compat module's names
+def test_slice_sampler_args_are_the_installed_ones() -> None:
+    assert set(_init_params(trl.SliceSampler)) == compat.SLICE_SAMPLER_ARGS
+    assert compat.OUTPUT_LAYOUTS[0] == "flat"
+    assert ("output_layout" in compat.SLICE_SAMPLER_ARGS) == ("batch_time" in compat.OUTPUT_LAYOUTS)
+    assert hasattr(trl.SliceSampler, "_finalize_index") == compat.HAS_FINALIZE_INDEX
+
+
+def test_static_boundaries_key_is_where_torchrl_keeps_them() -> None:
+    sampler = trl.SliceSampler(num_slices=2, ends=torch.tensor([0, 1, 0, 0, 1]), cache_values=True)
+    assert set(sampler._cache) == {compat.STATIC_BOUNDARIES}
+
+
+def test_storage_revision_and_last_cursor() -> None:
+    storage = trl.LazyTensorStorage(10)
+    rb = trl.TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(episodes(7, 3))
+    assert compat.last_cursor_row(storage) == 6
+    before = compat.mutation_revision(storage, assumed=-1)
+    rb.extend(episodes(5, 3))  # wraps: rows 7, 8, 9, 0, 1
+    assert compat.last_cursor_row(storage) == 1
+    rb.add(episodes(1, 1)[0])
+    assert compat.last_cursor_row(storage) == 2
+    after = compat.mutation_revision(storage, assumed=-1)
+    if compat.STORAGE_HAS_REVISION:
+        assert after > before
+    else:  # TorchRL 0.13: no counter, the caller's assumption comes back
+        assert not hasattr(storage, "_mutation_revision") and before == after == -1
+
+
+def test_short_flat_batch_warning_flag_matches_torchrl() -> None:
+    storage = trl.LazyTensorStorage(30)
+    sampler = trl.SliceSampler(num_slices=4, traj_key="traj", strict_length=False)
+    rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=24)
+    rb.extend(episodes(29, [2, 9, 3]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rb.sample()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    warned = any(m.startswith(compat.SHORT_FLAT_BATCH_MESSAGE) for m in messages)
+    assert warned == compat.WARNS_SHORT_FLAT_BATCH, messages
+
+
+@pytest.mark.skipif(not TORCHRL_EXT, reason="TorchRL's PrioritizedSampler needs its extension")
+def test_alpha_change_flag_matches_torchrl() -> None:
+    sampler = trl.PrioritizedSampler(8, alpha=0.5, beta=1.0, max_priority_within_buffer=True)
+    sampler.extend(torch.arange(4))
+    sampler.update_priority(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    before = sampler._sum_tree[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sampler.alpha = 1.0
+    retransformed = sampler._sum_tree[1] != before
+    assert retransformed == compat.ALPHA_CHANGE_RETRANSFORMS
+    assert bool(caught) == (not compat.ALPHA_CHANGE_RETRANSFORMS)
+
+
+# --------------------------------------------------------------- constructor arguments
+@pytest.mark.parametrize("name", [*SLICE_CLASSES, "PrioritizedSliceSampler"])
+def test_every_torchrl_argument_is_accepted_and_shown(name: str) -> None:
+    ours, theirs = getattr(fastreplay, name), getattr(trl, name)
+    shown = inspect.signature(ours).parameters
+    positional = {"max_capacity": 10, "alpha": 0.7, "beta": 0.5}
+    for arg, param in _init_params(theirs).items():
+        assert arg in shown, f"{name}: TorchRL's {arg!r} is not in fastreplay's signature"
+        if arg in positional or arg in ("ends", "trajectories"):
+            continue
+        default = param.default
+        kwargs = {**({} if name != "PrioritizedSliceSampler" else positional), "num_slices": 2}
+        if arg == "num_slices":
+            default = 2
+        kwargs[arg] = default
+        ours(**kwargs)  # TorchRL's default, passed explicitly: accepted on every version
+
+
+@pytest.mark.parametrize("name", [*SLICE_CLASSES, "PrioritizedSliceSampler"])
+def test_unknown_arguments_raise_type_error_as_torchrl(name: str) -> None:
+    extra = {"max_capacity": 10, "alpha": 0.7, "beta": 0.5} if "Prioritized" in name else {}
+    with pytest.raises(TypeError, match="no_such_argument"):
+        getattr(fastreplay, name)(num_slices=2, no_such_argument=1, **extra)
+    if "output_layout" not in compat.PRIORITIZED_SLICE_ARGS:  # as TorchRL's, on every version
+        with pytest.raises(TypeError, match="output_layout"):
+            fastreplay.PrioritizedSliceSampler(10, 0.7, 0.5, num_slices=2, output_layout="flat")
+
+
+@pytest.mark.skipif(
+    "end_keys" in compat.SLICE_SAMPLER_ARGS,
+    reason=f"TorchRL {compat.TORCHRL_VERSION} has end_keys",
+)
+def test_arguments_the_installed_torchrl_lacks_are_refused_as_torchrl_does() -> None:
+    for cls in (trl.SliceSampler, fastreplay.SliceSampler):
+        with pytest.raises(TypeError, match="end_keys"):
+            cls(num_slices=2, end_keys=[DONE])
+
+
+# -------------------------------------------------------------------------- batch_time
+def _pair(name: str, storage_size: int, **kwargs: Any) -> list[tuple[Any, Any]]:
+    """The same buffer (TensorDictReplayBuffer) with TorchRL's sampler and fastreplay's."""
+    out = []
+    for module in (trl, fastreplay):
+        storage = trl.LazyTensorStorage(storage_size)
+        sampler = getattr(module, name)(**kwargs)
+        rb = trl.TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=24)
+        out.append((rb, storage))
+    return out
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b)
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+def _outcome(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or the exception it raised (compared between the two libraries)."""
+    try:
+        return fn(*args)
+    except RuntimeError as err:
+        return err
+
+
+_SHORT = pytest.mark.filterwarnings(f"ignore:{compat.SHORT_FLAT_BATCH_MESSAGE}:UserWarning")
+
+
+@BATCH_TIME
+@_SHORT  # the flat reference samples below may be short
+@pytest.mark.parametrize("name", SLICE_CLASSES)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"strict_length": True},
+        {"strict_length": False},
+        {"strict_length": True, "span": (False, 2)},
+        {"strict_length": True, "slice_end_key": "end", "time_dim_name": "t"},
+        {"strict_length": False, "time_dim_name": None},
+    ],
+    ids=["strict", "padded", "span", "custom-keys", "unnamed"],
+)
+@pytest.mark.parametrize("key", [{"traj_key": "traj"}, {"end_key": DONE}], ids=["ids", "done"])
+def test_batch_time_is_bit_identical_to_torchrl(name: str, config: dict, key: dict) -> None:
+    if "span" in config and name != "SliceSampler":
+        pytest.skip(f"{name} takes no span")
+    kwargs = {"num_slices": 4, "output_layout": "batch_time", **config, **key}
+    data = episodes(70, [2, 9, 13, 3, 20])
+    data["is_init"] = data["step"] == 0
+    (rb_t, st_t), (rb_f, st_f) = _pair(name, 60, **kwargs)
+    for rb in (rb_t, rb_f):
+        rb.extend(data[:40])
+        rb.extend(data[40:])  # wraps around the 60 slots
+    for _ in range(4):
+        torch.manual_seed(7)
+        sample_t = _outcome(rb_t.sampler.sample, st_t, 24)
+        torch.manual_seed(7)
+        sample_f = _outcome(rb_f.sampler.sample, st_f, 24)
+        if isinstance(sample_t, Exception):  # all drawn trajectories too short: same error
+            assert (type(sample_f), str(sample_f)) == (type(sample_t), str(sample_t))
+            continue
+        _assert_same(sample_t, sample_f)
+        index, info = sample_f
+        rows = index[0].shape[0]
+        assert index[0].shape == (rows, 6)  # [num_slices, time]
+        end_key = config.get("slice_end_key", ("collector", "slice_end"))
+        assert info[end_key].shape == (rows, 6, 1)
+        if not config["strict_length"]:
+            assert info["collector", "mask"].shape == (rows, 6)
+        torch.manual_seed(11)
+        batch_t = _outcome(rb_t.sample)
+        torch.manual_seed(11)
+        batch_f = _outcome(rb_f.sample)
+        if isinstance(batch_t, Exception):
+            assert (type(batch_f), str(batch_f)) == (type(batch_t), str(batch_t))
+            continue
+        assert batch_t.names == batch_f.names
+        assert batch_f.names[-1] == config.get("time_dim_name", "time")
+        _assert_same(batch_t.to_dict(), batch_f.to_dict())
+
+
+@BATCH_TIME
+def test_batch_time_is_served_by_the_incremental_index() -> None:
+    """``batch_time`` samples come from fastreplay's index: no rescan of the storage."""
+    storage = trl.LazyTensorStorage(100)
+    sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj", output_layout="batch_time")
+    rb = trl.TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
+    rb.extend(episodes(50, 10))
+    rb.sample()
+    index = sampler._fr_index
+    assert index is not None
+    rb.extend(episodes(10, 5, first_id=50))
+    rb.sample()
+    assert sampler._fr_index is index  # updated in place, not rebuilt
+
+
+# --------------------------------------------------------------------------- warnings
+def _warnings_of(rb: Any, storage: Any, n: int) -> list[tuple[type, str, str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(n):
+            torch.manual_seed(seed)
+            rb.sample()
+    return [(w.category, str(w.message), w.filename) for w in caught]
+
+
+@_SHORT
+@pytest.mark.parametrize("name", SLICE_CLASSES)
+@pytest.mark.parametrize(
+    "config",
+    [{"strict_length": False}, {"span": (False, 3)}, {}],
+    ids=["non-strict", "span", "strict"],
+)
+def test_warnings_are_torchrl_s(name: str, config: dict) -> None:
+    """Same warnings (class, text, the line they point at) as the installed TorchRL."""
+    if "span" in config and name != "SliceSampler":
+        pytest.skip(f"{name} takes no span")
+    kwargs = {"num_slices": 4, "traj_key": "traj", **config}
+    found = []
+    for rb, storage in _pair(name, 60, **kwargs):  # TorchRL's, then fastreplay's
+        rb.extend(episodes(59, [2, 9, 13, 3, 20]))
+        found.append(_warnings_of(rb, storage, 4))
+    assert found[0] == found[1]
+    short = [w for w in found[1] if w[1].startswith(compat.SHORT_FLAT_BATCH_MESSAGE)]
+    if compat.WARNS_SHORT_FLAT_BATCH and (config or name != "SliceSampler"):
+        assert len(short) == 1 and short[0][0] is UserWarning  # once per sampler
+    else:
+        assert not short
+
+
+@pytest.mark.skipif(
+    not compat.WARNS_SHORT_FLAT_BATCH,
+    reason=f"TorchRL {compat.TORCHRL_VERSION} does not warn on short flat batches",
+)
+def test_short_flat_batch_warning_can_be_filtered_by_message() -> None:
+    storage = trl.LazyTensorStorage(40)
+    sampler = fastreplay.SliceSampler(num_slices=4, traj_key="traj", strict_length=False)
+    rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=24)
+    rb.extend(episodes(39, [2, 9, 3]))
+    with pytest.warns(UserWarning, match=compat.SHORT_FLAT_BATCH_MESSAGE):
+        rb.sample()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error")
+        warnings.filterwarnings("ignore", message=compat.SHORT_FLAT_BATCH_MESSAGE)
+        fresh = fastreplay.SliceSampler(num_slices=4, traj_key="traj", strict_length=False)
+        rb.set_sampler(fresh)
+        rb.sample()
+
+
+# ------------------------------------------------------------------- storage revision
+def _same_boundaries(ours: Any, storage: Any) -> bool:
+    expected = trl.SliceSampler(num_slices=2, traj_key="traj")._get_stop_and_length(storage)
+    got = ours._get_stop_and_length(storage)
+    return all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_writes_the_sampler_is_not_told_about() -> None:
+    """Seen through the storage's write counter (0.14+); on 0.13, after invalidate_boundaries."""
+    storage = trl.LazyTensorStorage(40)
+    sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj")
+    rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
+    rb.extend(episodes(30, 10))
+    rb.sample()
+    other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage
+    other.extend(episodes(10, 1, first_id=500))  # rows 0-9: ten one-step trajectories
+    assert _same_boundaries(sampler, storage) == compat.STORAGE_HAS_REVISION
+    sampler.invalidate_boundaries()
+    assert _same_boundaries(sampler, storage)
