@@ -28,6 +28,15 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   ``SliceSampler._finalize_index``; 0.13 does it inline at the end of ``_get_index``, with the
   marker key fixed to ``"is_init"``. :class:`SliceSamplerBase` adds 0.13's code as
   ``_finalize_index`` there, so the samplers call one hook everywhere.
+* **The ``is_init`` marker key** (:func:`init_marker_key`): 0.14 and the nightly read the
+  sampler's ``init_key`` at each ``sample`` (``None``: no markers); 0.13 has no ``init_key``
+  and always marks ``"is_init"``, so an ``init_key`` assigned there changes nothing.
+* **Cached boundaries after a key change** (:data:`KEY_CHANGE_KEEPS_CACHED_BOUNDARIES`): 0.14
+  and the nightly cache the boundaries read from the storage under the key they were read from
+  (``_find_start_stop_traj(..., source=...)``), so assigning ``end_key``/``traj_key`` reads the
+  new key's. 0.13 caches them under one fixed key, and its ``SliceSamplerWithoutReplacement``
+  always caches (``cache_values=True``): after such an assignment it keeps sampling the old
+  boundaries until the next write. fastreplay's samplers rebuild their index on every version.
 * **The static boundary cache** (:data:`STATIC_BOUNDARIES`): the key under which
   ``SliceSampler(ends=...)``/``(trajectories=...)`` keeps its boundaries in ``_cache``:
   ``"static-stop-and-length"`` on 0.14 and the nightly, ``"stop-and-length"`` on 0.13 (where
@@ -112,6 +121,7 @@ __all__ = [
     "CHECKPOINTS_KEEP_PREFETCHED",
     "HAS_CAN_SAMPLE",
     "HAS_FINALIZE_INDEX",
+    "KEY_CHANGE_KEEPS_CACHED_BOUNDARIES",
     "OUTPUT_LAYOUTS",
     "SLICE_SAMPLER_ARGS",
     "STATIC_BOUNDARIES",
@@ -136,6 +146,7 @@ __all__ = [
     "_REPLACEMENT_DISPATCH",
     "_replace_last",
     "find_start_stop_traj",
+    "init_marker_key",
     "is_batch_time",
     "is_consuming",
     "last_cursor_row",
@@ -183,6 +194,13 @@ nightly; 0.13 and 0.14 have no ``output_layout`` argument (always flat)."""
 HAS_FINALIZE_INDEX: bool = hasattr(TorchRLSliceSampler, "_finalize_index")
 """Whether TorchRL's ``SliceSampler`` has the ``_finalize_index`` hook (0.14, nightly); 0.13
 builds the info inline in ``_get_index``."""
+
+KEY_CHANGE_KEEPS_CACHED_BOUNDARIES: bool = (
+    "source" not in inspect.signature(TorchRLSliceSampler._find_start_stop_traj).parameters
+)
+"""Whether TorchRL's cached storage boundaries outlive an ``end_key``/``traj_key`` assignment:
+0.13 caches them under one key (its ``SliceSamplerWithoutReplacement`` always), so it keeps
+sampling the old trajectories; 0.14 and the nightly cache them per source key."""
 
 STATIC_BOUNDARIES: str = "static-stop-and-length" if HAS_FINALIZE_INDEX else "stop-and-length"
 """``SliceSampler._cache`` key of the boundaries given by ``ends=``/``trajectories=``:
@@ -269,6 +287,16 @@ def find_start_stop_traj(
     except ImportError:  # TorchRL 0.13
         find = TorchRLSliceSampler(num_slices=1)._find_start_stop_traj
     return find(trajectory=trajectory, end=end, at_capacity=at_capacity, cursor=cursor)
+
+
+def init_marker_key(sampler: Any) -> Any:
+    """The key of the ``is_init`` markers ``sampler``'s samples carry, or ``None``. O(1).
+
+    ``sampler.init_key`` where TorchRL's ``SliceSampler`` takes ``init_key`` (0.14, nightly);
+    ``"is_init"`` on 0.13, which always marks that key (an assigned ``init_key`` is ignored
+    there, as by TorchRL 0.13).
+    """
+    return sampler.init_key if "init_key" in SLICE_SAMPLER_ARGS else "is_init"
 
 
 def ray_runtime_lease() -> Any:

@@ -25,6 +25,7 @@ from fastreplay._torchrl import (
     Storage,
     TorchRLSliceSamplerWithoutReplacement,
     _replace_last,
+    init_marker_key,
     is_batch_time,
     pads_short_slices,
 )
@@ -244,12 +245,13 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             info[terminated_key] = (
                 torch.zeros_like(truncated) if terminated is None else _take(terminated, index)
             )
-        existing = None if self.init_key is None else data.get(self.init_key, default=None)
+        init_key = init_marker_key(self)
+        existing = None if init_key is None else data.get(init_key, default=None)
         if existing is not None:
             existing = _take(existing, index)
             marker = np.zeros(existing.shape, dtype=bool)
             marker[heads] = True
-            info[self.init_key] = torch.from_numpy(marker).to(existing.device) | existing
+            info[init_key] = torch.from_numpy(marker).to(existing.device) | existing
         return info
 
     def _fr_ends_trajectories(self, key: NestedKey, leaf: torch.Tensor, index: tuple) -> bool:
