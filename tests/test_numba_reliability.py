@@ -233,3 +233,27 @@ def test_import_with_a_writable_cache_says_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
     assert done.stdout.split() == ["cache:", "True"], done.stdout
     assert "NUMBA_CACHE_DIR" not in done.stderr and "fastreplay" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_trees_unpickled_from_read_only_buffers_own_writable_trees(backend: str) -> None:
+    """Pickle protocol 5 with out-of-band buffers (Ray's object store hands back read-only ones)."""
+    import pickle
+
+    import torch
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from fastreplay import PrioritizedSampler
+
+    sampler = PrioritizedSampler(11, alpha=1.0, beta=1.0, backend=backend)
+    rb = ReplayBuffer(storage=LazyTensorStorage(11), sampler=sampler, batch_size=4)
+    index = rb.extend(torch.arange(11))
+    rb.update_priority(index, torch.arange(1.0, 12.0))
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(sampler, protocol=5, buffer_callback=buffers.append)
+    copy = pickle.loads(payload, buffers=[memoryview(b).toreadonly() for b in buffers])
+    copy.update_priority(torch.tensor([0, 10]), torch.tensor([100.0, 0.5]))
+    expected = [100.0, *range(2, 11), 0.5]
+    assert copy._sum_tree.query(0, 11) == pytest.approx(sum(expected))
+    assert float(copy.default_priority) == 100.0
+    assert sampler._sum_tree.query(0, 11) == pytest.approx(sum(range(1, 12)))  # the original

@@ -144,6 +144,11 @@ class NumbaPriorityTrees:
         if "_tree" not in state:  # pickled before the trees owned a NumPy array
             state = {**state, "_tree": state["_data"].numpy().copy()}
             state.pop("_data")
+        tree = state["_tree"]
+        if not (tree.flags.writeable and tree.flags.owndata):
+            # Unpickled out of band (pickle protocol 5, as Ray does): a view of a read-only
+            # buffer that the kernels must not write into, nor outlive. O(capacity).
+            state = {**state, "_tree": np.array(tree, order="C", copy=True)}
         self.__dict__.update(state)
         self._attach()
 
