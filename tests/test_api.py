@@ -101,6 +101,7 @@ def test_constructor_signature_keeps_unresolved_variadics() -> None:
 # The pure cores: plain classes and functions that TorchRL adapters wire in.
 _CORES = (
     "_epoch_permutation.py",
+    "_fast_io.py",
     "_numba_kernels.py",
     "_pinning.py",
     "_segment_tree.py",

@@ -32,6 +32,7 @@ from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as _TorchRLReplayBuffer
 
 from fastreplay import _pinning
+from fastreplay._fast_path import FastPathMixin
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
 
@@ -207,6 +208,13 @@ class _PinnedSampleMixin:
                 "the output tensordict.",
                 stacklevel=2,
             )
+        if include_info is None:
+            fast = self._fr_fast_sample(batch_size)
+            if fast is not None:
+                data, info, written = fast
+                if not written:
+                    data, _ = _write_info(data, info)
+                return (data, info) if return_info else data
         data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
@@ -320,7 +328,7 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     return torch.as_tensor(value, device=device)
 
 
-class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuffer):
+class TensorDictReplayBuffer(_PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLBuffer):
     """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
@@ -374,7 +382,7 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuf
 
 
 class TensorDictPrioritizedReplayBuffer(
-    _PinnedSampleMixin, SharedBufferChecks, _TorchRLPrioritizedBuffer
+    _PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLPrioritizedBuffer
 ):
     """TorchRL's ``TensorDictPrioritizedReplayBuffer`` with fastreplay's sampler, pinned in full.
 

@@ -1,0 +1,222 @@
+"""Direct ``extend`` and ``sample`` for the common TensorDict replay-buffer set-up.
+
+TorchRL's ``extend`` goes through the writer, ``TensorStorage.set`` and
+``TensorDict.__setitem__``, and its ``sample`` through ``TensorStorage.get``,
+``TensorDict.__getitem__`` and ``TensorDict.set`` for the metadata. Every layer re-checks what
+the previous one checked, and with a fast sampler that glue is most of a training step.
+
+:class:`FastPathMixin` does the same work in one pass for the common case, decided on every
+call:
+
+* a 1-D ``TensorStorage`` / ``LazyTensorStorage`` / ``LazyMemmapStorage`` holding a plain
+  ``TensorDict`` on CPU, written by a ``TensorDictRoundRobinWriter`` (no generation tracking);
+* no transform, no prefetch, no pinning or ``device``, not shared, not consuming, no sample
+  unit, the default collate function, ``dim_extend=0``, a synchronous sampler;
+* ``extend``: a ``TensorDict`` with exactly the stored keys (``index`` aside), feature shapes
+  and dtypes, on CPU, 1 to ``max_size`` rows;
+* ``sample``: a sampler that returns a 1-D index tensor and per-row metadata tensors.
+
+Anything else takes TorchRL's path unchanged. The fast path leaves the storage, writer and
+sampler in exactly the state TorchRL's path leaves them (cursor, ``write_count``, length,
+last cursor, mutation revision, the stored ``index`` column, the sampler's ``mark_update`` /
+``extend`` calls and their order, the priority update), and returns the same sample (keys,
+dtypes, values, devices, batch size, ``info``). ``tests/conformance/test_whole_step.py``
+compares both paths call by call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
+from torchrl.data.replay_buffers.samplers import RandomSampler
+from torchrl.data.replay_buffers.storages import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    TensorStorage,
+)
+from torchrl.data.replay_buffers.storages.utils import _collate_id
+from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter
+from torchrl.envs.transforms import Compose
+
+from fastreplay import _fast_io
+
+__all__ = ["FastPathMixin"]
+
+_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
+
+
+def _fast_samplers() -> tuple[type, ...]:
+    from fastreplay.samplers.prioritized import PrioritizedSampler
+
+    return (PrioritizedSampler, _TorchRLPrioritizedSampler, RandomSampler)
+
+
+class FastPathMixin:
+    """``extend`` / ``sample`` without TorchRL's layers, for the set-ups listed above.
+
+    Placed before the TorchRL buffer (and fastreplay's other mixins that wrap ``extend``) in
+    the bases; ``sample`` calls :meth:`_fr_fast_sample` first. ``_fr_fast = False`` on an
+    instance switches the fast path off (tests use it to compare both paths).
+    """
+
+    _fr_fast = True
+    _fr_samplers: tuple[type, ...] | None = None
+
+    # ------------------------------------------------------------------ common conditions
+    def _fr_plain(self) -> TensorStorage | None:
+        """The storage if the buffer is in the common set-up (both directions), else None."""
+        if not (self._fr_fast and getattr(self, "_initialized", False)):
+            return None
+        storage = self._storage
+        writer = self._writer
+        transform = self._transform
+        if (
+            type(storage) not in _STORAGES
+            or not storage.initialized
+            or storage.ndim != 1
+            or storage._compilable
+            or type(writer) is not TensorDictRoundRobinWriter
+            or writer._compilable
+            or writer._track_generations
+            or getattr(storage, "_slot_generations", None) is not None
+            or self.shared
+            or self._prefetch
+            or self._sample_unit is not None
+            or self._dim_extend != 0
+            or self._collate_fn is not _collate_id
+            or not (transform is None or (type(transform) is Compose and not transform.transforms))
+            or self._is_consuming()
+            or not getattr(self, "_sync", True)
+            or getattr(self, "_fr_pinning", False)
+            or getattr(self, "_fr_device", None) is not None
+        ):
+            return None
+        return storage
+
+    # ------------------------------------------------------------------ extend
+    def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        """Extend as TorchRL does; the common set-up writes the rows directly."""
+        if not args and len(kwargs) <= ("update_priority" in kwargs):
+            index = self._fr_fast_extend(data, kwargs.get("update_priority"))
+            if index is not None:
+                return index
+        return super().extend(data, *args, **kwargs)  # type: ignore[misc]
+
+    def _fr_fast_extend(self, data: Any, update_priority: bool | None) -> torch.Tensor | None:
+        """TorchRL's ``TensorDictReplayBuffer.extend`` in one pass, or ``None`` (not taken).
+
+        Mirrors ``ReplayBuffer._extend`` -> ``TensorDictRoundRobinWriter.extend`` ->
+        ``TensorStorage.set`` -> ``TensorDict.__setitem__``, then the priority update. The
+        empty ``Compose`` TorchRL applies first writes ``index`` into a shallow copy of
+        ``data``: ``data`` itself is left as it is, as there. O(rows x row size + leaves).
+        """
+        storage = self._fr_plain()
+        if storage is None or self.priority_key == "index":
+            return None
+        store = storage._storage
+        pairs = _fast_io.write_pairs(store, data, skip="index")
+        if pairs is None:
+            return None
+        n = data.batch_size[0] if data.batch_size else 0
+        capacity = storage.max_size
+        index_leaf = store._tensordict["index"]
+        if (
+            not 0 < n <= capacity
+            or store.batch_size[0] != capacity
+            or index_leaf.dtype != torch.long
+            or index_leaf.shape != (capacity,)
+            or (data.device is not None and data.device.type != "cpu")
+        ):
+            return None
+        writer = self._writer
+        with self._replay_lock, self._write_lock:
+            cursor = writer._cursor
+            stop = cursor + n
+            index = torch.arange(cursor, stop, dtype=torch.long)
+            if stop > capacity:
+                index.remainder_(capacity)
+            # The writer's bookkeeping, in its order: cursor and count first.
+            writer._cursor = stop % capacity
+            writer._write_count += n
+            # TensorStorage.set: last cursor, length, rows, mutation revision.
+            storage._last_cursor = index
+            last = storage._last_cursor_index_value
+            with last.get_lock():
+                last.value = (stop - 1) % capacity
+            storage._len = min(storage._len + n, capacity)
+            _fast_io.write_rows([*pairs, (index_leaf, index)], cursor, capacity)
+            storage._bump_mutation_revision()
+            writer._mark_update_entities(index)
+            self._sampler.extend(index)
+        if update_priority is None or update_priority:
+            try:
+                vector = data.get(self.priority_key)
+                if vector is not None:
+                    self.update_priority(index, vector)
+            except Exception as e:
+                raise RuntimeError(
+                    "Failed to update priority of extended data. You can try to set "
+                    "update_priority=False in the extend method and update the priority "
+                    "manually."
+                ) from e
+        return index
+
+    # ------------------------------------------------------------------ sample
+    def _fr_fast_sample(self, batch_size: int | None) -> tuple[Any, dict, bool] | None:
+        """TorchRL's ``sample(batch_size, return_info=True)``, in one pass, or ``None``.
+
+        Mirrors the checks of ``ReplayBuffer.sample``, ``TensorDictReplayBuffer._sample``
+        -> ``TensorStorage.get`` -> ``TensorDict.__getitem__``, and the metadata writes of
+        ``TensorDictReplayBuffer.sample``. Decided before the sampler runs: once taken, it
+        does not fall back. O(batch x row size + leaves) on top of the sampler.
+
+        Returns:
+            ``(data, info, written)``; ``written``: the metadata is in ``data`` already
+            (otherwise the caller writes it, as TorchRL's ``sample`` does).
+        """
+        storage = self._fr_plain()
+        if storage is None or self._service_shutdown or self._sample_dependency is not None:
+            return None
+        if batch_size is None:
+            batch_size = self._batch_size
+            if batch_size is None:
+                return None  # TorchRL's error
+        elif (
+            self._batch_size is not None
+            and batch_size != self._batch_size
+            and not self._warned_batch_size_conflict
+        ):
+            return None  # TorchRL's warning
+        samplers = FastPathMixin._fr_samplers
+        if samplers is None:
+            samplers = FastPathMixin._fr_samplers = _fast_samplers()
+        sampler = self._sampler
+        if type(sampler) not in samplers:
+            return None
+        plan = _fast_io.gather_plan(storage._storage)
+        if plan is None:
+            return None
+        with self._replay_lock, self._write_lock:
+            index, info = sampler.sample(storage, batch_size)
+            info["index"] = index
+            if not (
+                type(index) is torch.Tensor
+                and index.ndim == 1
+                and index.is_cpu
+                and not index.is_floating_point()
+            ):
+                return self._fr_general_get(storage, index), info, False
+            data, written = _fast_io.gather_rows(plan, index, len(storage), info)
+        return data, info, written
+
+    def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
+        """TorchRL's read, for a sampler result the direct gather does not cover."""
+        from torchrl.data.replay_buffers.replay_buffers.base import _storage_index
+        from torchrl.data.replay_buffers.utils import INT_CLASSES
+
+        data = storage.get(_storage_index(index, storage))
+        if not isinstance(index, INT_CLASSES):
+            data = self._collate_fn(data)
+        return data
