@@ -55,7 +55,7 @@ def test_write_rows_matches_setitem_with_the_writer_index(start: int, n: int) ->
     theirs[index] = data.set("index", index)
     pairs = _fast_io.write_pairs(ours, rows(n), skip="index")
     assert pairs is not None and len(pairs) == 3
-    _fast_io.write_rows([*pairs, (ours["index"], index)], start, 7)
+    _fast_io.write_rows([*pairs, (ours["index"], index)], index)
     assert_same(ours, theirs)
 
 
@@ -72,7 +72,7 @@ def test_write_rows_takes_strided_sources() -> None:
     assert not data["obs"].is_contiguous()
     index = torch.arange(5, 9) % 7
     theirs[index] = data
-    _fast_io.write_rows(_fast_io.write_pairs(ours, data, skip="index"), 5, 7)
+    _fast_io.write_rows(_fast_io.write_pairs(ours, data, skip="index"), index)
     assert_same(ours.exclude("index"), theirs.exclude("index"))
 
 

@@ -148,6 +148,13 @@ def _torch_step(rb, new: TensorDict) -> None:
     rb.update_priority(batch["index"], batch["obs"][:, 0].abs() + 0.05)
 
 
+def _sampler_step(sampler, storage, new_index: torch.Tensor) -> None:
+    """The sampler's share of a PER step, on bare tensors (no buffer, no TensorDict)."""
+    sampler.mark_update(new_index, storage=storage)
+    index, _ = sampler.sample(storage, 256)
+    sampler.update_priority(index, torch.rand(256) + 0.05, storage=storage)
+
+
 def _cpprb_step(rb, new: np.ndarray) -> None:
     rb.add(obs=new)
     batch = rb.sample(256, beta=BETA)
@@ -239,6 +246,8 @@ def _per(capacity: int, args: argparse.Namespace, torchrl_ok: bool) -> list[Resu
         fns["torchrl"] = lambda t=buffers["torchrl"]: _torch_step(t, new)
     if "cpprb" in buffers:
         fns["cpprb"] = lambda c=buffers["cpprb"]: _cpprb_step(c, new_np)
+    new_index = torch.arange(16)
+    fns["sampler alone"] = lambda rb=rb: _sampler_step(rb.sampler, rb.storage, new_index)
     times = interleaved_seconds(fns, repeats=50 * args.repeats, warmup=20)
 
     # Answers: valid samples on every side; the direct path reads what the general one reads.
@@ -261,6 +270,7 @@ def _per(capacity: int, args: argparse.Namespace, torchrl_ok: bool) -> list[Resu
     extra = {
         "cpprb_s": cpprb_s,
         "general_path_s": times["general"],
+        "sampler_alone_s": times["sampler alone"],
         "fastreplay_over_cpprb": times["fastreplay"] / cpprb_s if cpprb_s else None,
     }
     params = {"capacity": capacity, "alpha": ALPHA, "beta": BETA, "extend": 16, "batch": 256}

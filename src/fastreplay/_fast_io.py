@@ -5,7 +5,8 @@ Pure core, no TorchRL imports. A replay buffer's ``TensorStorage`` keeps its row
 reads it through ``TensorDict.__setitem__`` / ``__getitem__`` with an index tensor, which
 re-validates keys, shapes and batch sizes on every call. When the incoming rows have exactly
 the stored structure (same keys, feature shapes, dtypes, CPU tensors), the same result is one
-copy per leaf (:func:`write_rows`) and one ``index_select`` per leaf (:func:`gather_rows`).
+copy per leaf (``index_copy_``, :func:`write_rows`) and one ``index_select`` per leaf
+(:func:`gather_rows`).
 
 :func:`write_pairs` and :func:`gather_plan` decide whether that holds; ``None`` means "take
 the general path" and nothing was touched.
@@ -17,7 +18,7 @@ Example:
     ...                    batch_size=[5])
     >>> rows = TensorDict(obs=torch.ones(3, 2), batch_size=[3])
     >>> pairs = write_pairs(store, rows, skip="index")
-    >>> write_rows(pairs, start=4, capacity=5)  # rows 4, 0, 1
+    >>> write_rows(pairs, torch.tensor([4, 0, 1]))
     >>> store["obs"][:, 0].tolist()
     [1.0, 1.0, 0.0, 0.0, 1.0]
     >>> plan = gather_plan(store)
@@ -99,23 +100,19 @@ def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: li
     return True
 
 
-def write_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], start: int, capacity: int) -> None:
-    """Copy each incoming leaf into its stored leaf at rows ``start, start + 1, ...`` mod capacity.
+def write_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor) -> None:
+    """Copy row ``i`` of each incoming leaf into row ``index[i]`` of its stored leaf.
 
-    One ``copy_`` per leaf, two where the rows wrap around the end. The caller guarantees
-    ``1 <= rows <= capacity`` (no row is written twice). O(rows written x row size).
+    One ``index_copy_`` per leaf (the writer's rows, wrapped around the capacity already).
+    The caller guarantees that no row of ``index`` repeats and that the dtypes match
+    (:func:`write_pairs`). O(rows written x row size).
 
     Args:
-        pairs: From :func:`write_pairs`.
-        start: First row written (the writer's cursor), in ``[0, capacity)``.
-        capacity: Number of rows of the stored leaves.
+        pairs: From :func:`write_pairs`, plus any leaf written separately.
+        index: 1-D long tensor of the rows to write, one per incoming row.
     """
     for leaf, value in pairs:
-        n = value.shape[0]
-        head = min(n, capacity - start)
-        leaf.narrow(0, start, head).copy_(value if head == n else value.narrow(0, 0, head))
-        if head < n:
-            leaf.narrow(0, 0, n - head).copy_(value.narrow(0, head, n - head))
+        leaf.index_copy_(0, index, value)
 
 
 def gather_plan(store: TensorDict) -> Plan | None:
@@ -163,7 +160,7 @@ def gather_rows(
     Raises:
         IndexError: a row outside ``[0, stored)``.
     """
-    head = torch.Size((index.shape[0],))
+    head = index.shape  # 1-D: torch.Size([len(index)])
     rest, device, _ = plan
     put = {}
     if extra:

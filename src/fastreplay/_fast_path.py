@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torchrl.data.replay_buffers.samplers import ConsumingSampler, RandomSampler
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
-from torchrl.data.replay_buffers.samplers import RandomSampler
 from torchrl.data.replay_buffers.storages import (
     LazyMemmapStorage,
     LazyTensorStorage,
@@ -66,28 +66,31 @@ class FastPathMixin:
 
     # ------------------------------------------------------------------ common conditions
     def _fr_plain(self) -> TensorStorage | None:
-        """The storage if the buffer is in the common set-up (both directions), else None."""
-        if not (self._fr_fast and getattr(self, "_initialized", False)):
+        """The storage if the buffer is in the common set-up (both directions), else None.
+
+        O(1): about twenty attribute checks, cheapest and most selective first.
+        """
+        if not self._fr_fast or not getattr(self, "_initialized", False):
             return None
         storage = self._storage
         writer = self._writer
         transform = self._transform
         if (
             type(storage) not in _STORAGES
+            or type(writer) is not TensorDictRoundRobinWriter
+            or self.shared
+            or self._prefetch
+            or self._dim_extend != 0
+            or self._sample_unit is not None
+            or self._collate_fn is not _collate_id
             or not storage.initialized
             or storage.ndim != 1
             or storage._compilable
-            or type(writer) is not TensorDictRoundRobinWriter
             or writer._compilable
             or writer._track_generations
             or getattr(storage, "_slot_generations", None) is not None
-            or self.shared
-            or self._prefetch
-            or self._sample_unit is not None
-            or self._dim_extend != 0
-            or self._collate_fn is not _collate_id
             or not (transform is None or (type(transform) is Compose and not transform.transforms))
-            or self._is_consuming()
+            or isinstance(self._sampler, ConsumingSampler)
             or not getattr(self, "_sync", True)
             or getattr(self, "_fr_pinning", False)
             or getattr(self, "_fr_device", None) is not None
@@ -131,28 +134,43 @@ class FastPathMixin:
         ):
             return None
         writer = self._writer
+        # The shared counters TorchRL's properties wrap (created by the first write, which
+        # initialised the storage through the general path).
+        cursor_value = writer._cursor_value
+        count_value = writer._write_count_value
+        len_value = storage._len_value
+        last_value = storage._last_cursor_index_value
+        revision = storage._mutation_revision_value
+        if None in (cursor_value, count_value, len_value, last_value, revision):
+            return None
         with self._replay_lock, self._write_lock:
-            cursor = writer._cursor
+            cursor = cursor_value.value
             stop = cursor + n
-            index = torch.arange(cursor, stop, dtype=torch.long)
+            index = torch.arange(cursor, stop)
             if stop > capacity:
                 index.remainder_(capacity)
             # The writer's bookkeeping, in its order: cursor and count first.
-            writer._cursor = stop % capacity
-            writer._write_count += n
+            cursor_value.value = stop % capacity
+            count_value.value += n
             # TensorStorage.set: last cursor, length, rows, mutation revision.
             storage._last_cursor = index
-            last = storage._last_cursor_index_value
-            with last.get_lock():
-                last.value = (stop - 1) % capacity
-            storage._len = min(storage._len + n, capacity)
-            _fast_io.write_rows([*pairs, (index_leaf, index)], cursor, capacity)
-            storage._bump_mutation_revision()
-            writer._mark_update_entities(index)
+            with last_value.get_lock():
+                last_value.value = (stop - 1) % capacity
+            length = len_value.value + n
+            len_value.value = length if length < capacity else capacity
+            _fast_io.write_rows([*pairs, (index_leaf, index)], index)
+            with revision.get_lock():
+                revision.value += 1
+            # The writer tells every buffer attached to the storage (its sampler marks the
+            # rows), then the buffer tells its sampler.
+            for entity in storage._attached_entities:
+                entity.mark_update(index)
             self._sampler.extend(index)
         if update_priority is None or update_priority:
             try:
-                vector = data.get(self.priority_key)
+                key = self.priority_key
+                # ``TensorDict.get`` of a top-level key, without its key parsing
+                vector = data._tensordict.get(key) if type(key) is str else data.get(key)
                 if vector is not None:
                     self.update_priority(index, vector)
             except Exception as e:
@@ -162,6 +180,26 @@ class FastPathMixin:
                     "manually."
                 ) from e
         return index
+
+    # ------------------------------------------------------------------ priorities
+    def update_priority(self, index: Any, priority: Any) -> None:
+        """Update priorities as TorchRL does; tensors go straight to the sampler.
+
+        TorchRL's ``ReplayBuffer.update_priority`` with ``priority`` already a tensor and a
+        1-D storage: ``torch.as_tensor`` and the ``dim_extend`` transpose are no-ops there.
+        """
+        if (
+            type(priority) is torch.Tensor
+            and type(index) is torch.Tensor
+            and self._fr_fast
+            and getattr(self, "_initialized", False)
+            and getattr(self, "_sync", True)
+            and self._dim_extend == 0
+        ):
+            with self._replay_lock, self._write_lock:
+                self._sampler.update_priority(index, priority, storage=self._storage)
+            return
+        super().update_priority(index, priority)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ sample
     def _fr_fast_sample(self, batch_size: int | None) -> tuple[Any, dict, bool] | None:
