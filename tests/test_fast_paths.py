@@ -175,18 +175,75 @@ def test_gather_rows_sets_metadata_as_tensordict_set() -> None:
     assert ours["priority_weight"] is weight and ours["index"] is index
 
 
+def test_gather_rows_sets_nested_metadata_as_tensordict_set() -> None:
+    data, index = store(), torch.tensor([2, 5, 5, 0])
+    flag = torch.zeros(4, 1, dtype=torch.bool)
+    extra = {
+        ("next", "truncated"): flag,
+        ("next", "done"): ~flag,
+        ("next", "deep", "w"): torch.ones(4, 3),
+        "index": index.unsqueeze(-1),
+        "weight": torch.rand(4),
+    }
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(data), index, 7, extra)
+    theirs = data[index]
+    for key, value in extra.items():
+        theirs.set(key, value)
+    assert complete
+    assert_same(ours, theirs)
+
+
 @pytest.mark.parametrize(
     "extra",
     [
-        {("next", "truncated"): torch.zeros(3, 1, dtype=torch.bool)},
-        {"w": torch.zeros(3, 1)},
+        {("other", "x"): torch.zeros(3)},
+        {("obs", "x"): torch.zeros(3)},
+        {"w": torch.zeros(2)},
+        {"w": torch.zeros(())},
         {"w": [1.0, 2.0, 3.0]},
+        {"next": torch.zeros(3), ("next", "x"): torch.zeros(3)},
+        {1: torch.zeros(3)},
     ],
-    ids=["nested key", "shape", "not a tensor"],
+    ids=["new level", "under a leaf", "batch", "scalar", "not a tensor", "conflict", "key"],
 )
-def test_gather_rows_reports_metadata_it_leaves_to_the_caller(extra: dict) -> None:
-    _, complete = _fast_io.gather_rows(_fast_io.gather_plan(store()), torch.arange(3), 7, extra)
+def test_gather_rows_leaves_metadata_that_does_not_fit_to_the_caller(extra: dict) -> None:
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(store()), torch.arange(3), 7, extra)
     assert not complete
+    assert_same(ours, store()[torch.arange(3)])  # none of it set
+
+
+@pytest.mark.parametrize("stored", [7, 5])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [0, 1, 2, 4, 5, 6],
+        [2, 3, 4, 2, 3, 4],
+        [4, 5, 6, 0, 1, 2],
+        [3, 4, 5, 5, 6, 0],
+        [1, 2, 3, 4, 5],
+    ],
+    ids=["runs", "repeated runs", "wrapped runs", "not runs", "not a multiple"],
+)
+def test_gather_rows_by_runs_matches_getitem(stored: int, rows: list[int]) -> None:
+    data = store()
+    index = torch.tensor(rows)
+    if max(rows) >= stored:
+        with pytest.raises(IndexError):
+            _fast_io.gather_rows(_fast_io.gather_plan(data), index, stored, run=3)
+        return
+    by_runs = _fast_io._run_starts(index, 3, stored) is not None
+    assert by_runs == (rows in ([0, 1, 2, 4, 5, 6], [2, 3, 4, 2, 3, 4], [4, 5, 6, 0, 1, 2]))
+    ours, _ = _fast_io.gather_rows(_fast_io.gather_plan(data), index, stored, run=3)
+    assert_same(ours, data[:stored][index])
+    assert all(leaf.is_contiguous() for leaf in ours.values(True, True))
+
+
+def test_gather_rows_by_runs_from_a_memory_map(tmp_path) -> None:
+    data = store(9).memmap_(tmp_path)
+    index = torch.tensor([6, 7, 8, 0, 1, 2])
+    ours, _ = _fast_io.gather_rows(_fast_io.gather_plan(data), index, 9, run=3)
+    assert_same(ours, data[index])
+    assert type(ours["obs"]) is torch.Tensor
 
 
 def test_gather_rows_refuses_rows_past_the_filled_part() -> None:

@@ -138,60 +138,130 @@ def gather_plan(store: TensorDict) -> Plan | None:
 
 
 def gather_rows(
-    plan: Plan, index: torch.Tensor, stored: int, extra: dict | None = None
+    plan: Plan,
+    index: torch.Tensor,
+    stored: int,
+    extra: dict | None = None,
+    run: int | None = None,
 ) -> tuple[TensorDict, bool]:
     """The rows ``index`` of the planned storage, as ``storage[:stored][index]`` returns them.
 
     One ``index_select`` per leaf into a new contiguous tensor; the ``TensorDict`` levels are
     built without re-validation (batch size ``[len(index), *rest]``, the stored devices).
-    O(len(index) x row size).
+    With ``run``, an ``index`` made of runs of ``run`` consecutive rows (a slice sampler's)
+    is gathered one run at a time (one ``index_select`` over a windowed view per leaf);
+    anything else is gathered row by row. O(len(index) x row size).
 
     Args:
         plan: From :func:`gather_plan`.
         index: 1-D integer tensor of rows (on CPU).
         stored: Number of filled rows; a row at or past it raises ``IndexError``.
-        extra: Top-level entries set afterwards, as ``TensorDict.set`` would (a stored entry
-            of the same name keeps its place and is not read). Only string keys with a CPU
-            tensor of shape ``[len(index)]`` are set here.
+        extra: Entries set afterwards, as ``TensorDict.set`` would in this order (a stored
+            entry of the same name keeps its place and is not read; new ones come last in
+            their level). Keys are strings or tuples of strings naming existing levels;
+            values are CPU tensors whose leading dimensions are the level's batch size. If
+            one entry does not fit that, none is set.
+        run: Length of the runs ``index`` may be made of (checked; ``None``: row by row).
 
     Returns:
-        The sample, and whether every entry of ``extra`` was set.
+        The sample, and whether the entries of ``extra`` were set.
 
     Raises:
         IndexError: a row outside ``[0, stored)``.
     """
     head = index.shape  # 1-D: torch.Size([len(index)])
-    rest, device, _ = plan
-    put = {}
-    if extra:
-        for key, value in extra.items():
-            if (
-                type(key) is str
-                and type(value) is torch.Tensor
-                and value.shape == head
-                and value.is_cpu
-                and (device is None or device.type == "cpu")
-                and not rest
-            ):
-                put[key] = value
-    out = _gather_level(plan, index, stored, head, put)
-    for key, value in put.items():
-        if key not in out._tensordict:
-            out._tensordict[key] = value
-    return out, len(put) == len(extra or ())
+    put: dict = {}
+    complete = not extra or _place(plan, head, extra, put)
+    if not complete:
+        put = {}
+    starts = _run_starts(index, run, stored)
+    return _gather_level(plan, index, stored, head, put, starts, run), complete
+
+
+def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
+    """Sort ``extra`` into a tree of levels in ``put``; False if an entry does not fit."""
+    for key, value in extra.items():
+        path = (key,) if type(key) is str else key
+        if type(path) is not tuple or not path or type(value) is not torch.Tensor:
+            return False
+        level, node = plan, put
+        for name in path[:-1]:
+            nested = _entry(level, name)
+            if type(name) is not str or type(nested) is not tuple:
+                return False  # no such level (TensorDict.set would create or refuse one)
+            level, node = nested, node.setdefault(name, {})
+            if type(node) is not dict:
+                return False
+        rest, device, _ = level
+        batch = head + rest
+        if (
+            type(path[-1]) is not str
+            or path[-1] in node
+            or not (device is None or device.type == "cpu")
+            or not value.is_cpu
+            or value.shape[: len(batch)] != batch
+        ):
+            return False
+        node[path[-1]] = value
+    return True
+
+
+def _entry(plan: Plan, name: str) -> Any:
+    for key, leaf in plan[2]:
+        if key == name:
+            return leaf
+    return None
+
+
+_RUN_OFFSETS: dict[int, torch.Tensor] = {}
+
+
+def _run_starts(index: torch.Tensor, run: int | None, stored: int) -> torch.Tensor | None:
+    """First rows of the runs of ``run`` consecutive rows ``index`` is made of, or None."""
+    n = index.shape[0]
+    if run is None or run < 2 or n % run or n == 0 or stored < run:
+        return None
+    offsets = _RUN_OFFSETS.get(run)
+    if offsets is None:
+        offsets = _RUN_OFFSETS[run] = torch.arange(run)
+    runs = index.reshape(n // run, run)
+    starts = runs[:, 0]
+    if index.dtype != torch.long or not torch.equal(runs, starts.unsqueeze(1) + offsets):
+        return None
+    return starts
 
 
 def _gather_level(
-    plan: Plan, index: torch.Tensor, stored: int, head: torch.Size, put: dict
+    plan: Plan,
+    index: torch.Tensor,
+    stored: int,
+    head: torch.Size,
+    put: dict,
+    starts: torch.Tensor | None,
+    run: int | None,
 ) -> TensorDict:
     rest, device, entries = plan
     out = {}
     for key, leaf in entries:
-        if key in put:
-            out[key] = put[key]
+        value = put.get(key)
+        if value is not None and type(value) is not dict:
+            out[key] = value
         elif type(leaf) is tuple:
-            out[key] = _gather_level(leaf, index, stored, head, {})
+            out[key] = _gather_level(leaf, index, stored, head, value or {}, starts, run)
         else:
             source = leaf if leaf.shape[0] == stored else leaf.narrow(0, 0, stored)
-            out[key] = torch.index_select(source, 0, index)
+            if starts is None:
+                out[key] = torch.index_select(source, 0, index)
+            else:  # windows of ``run`` rows starting at every row; one pick per run
+                step = source.stride()
+                windows = source.as_strided(
+                    (stored - run + 1, run, *source.shape[1:]),
+                    (step[0], *step),
+                    source.storage_offset(),
+                )
+                picked = torch.index_select(windows, 0, starts)
+                out[key] = picked.view(head + source.shape[1:])
+    for key, value in put.items():
+        if key not in out:
+            out[key] = value
     return TensorDict._new_unsafe(out, batch_size=head + rest, device=device, nested=False)

@@ -14,7 +14,9 @@ call:
   unit, the default collate function, ``dim_extend=0``, a synchronous sampler;
 * ``extend``: a ``TensorDict`` with exactly the stored keys (``index`` aside), feature shapes
   and dtypes, on CPU, 1 to ``max_size`` rows;
-* ``sample``: a sampler that returns a 1-D index tensor and per-row metadata tensors.
+* ``sample``: any sampler but a consuming one; a 1-D index tensor (or a tuple holding one,
+  as slice samplers return) is gathered directly, runs of consecutive rows one run at a
+  time; the metadata (``index``, weights, truncation flags) goes straight into the sample.
 
 Anything else takes TorchRL's path unchanged. The fast path leaves the storage, writer and
 sampler in exactly the state TorchRL's path leaves them (cursor, ``write_count``, length,
@@ -29,8 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchrl.data.replay_buffers.samplers import ConsumingSampler, RandomSampler
-from torchrl.data.replay_buffers.samplers import PrioritizedSampler as _TorchRLPrioritizedSampler
+from torchrl.data.replay_buffers.samplers import ConsumingSampler
 from torchrl.data.replay_buffers.storages import (
     LazyMemmapStorage,
     LazyTensorStorage,
@@ -47,10 +48,13 @@ __all__ = ["FastPathMixin"]
 _STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
 
 
-def _fast_samplers() -> tuple[type, ...]:
-    from fastreplay.samplers.prioritized import PrioritizedSampler
-
-    return (PrioritizedSampler, _TorchRLPrioritizedSampler, RandomSampler)
+def _run_length(sampler: Any, batch_size: int) -> int | None:
+    """The slice length a slice sampler's rows likely come in (checked by the gather)."""
+    length = getattr(sampler, "slice_len", None)
+    if length is None:
+        slices = getattr(sampler, "num_slices", None)
+        length = batch_size // slices if isinstance(slices, int) and slices > 0 else None
+    return length if isinstance(length, int) else None
 
 
 class FastPathMixin:
@@ -62,7 +66,6 @@ class FastPathMixin:
     """
 
     _fr_fast = True
-    _fr_samplers: tuple[type, ...] | None = None
 
     # ------------------------------------------------------------------ common conditions
     def _fr_plain(self) -> TensorStorage | None:
@@ -227,26 +230,30 @@ class FastPathMixin:
             and not self._warned_batch_size_conflict
         ):
             return None  # TorchRL's warning
-        samplers = FastPathMixin._fr_samplers
-        if samplers is None:
-            samplers = FastPathMixin._fr_samplers = _fast_samplers()
-        sampler = self._sampler
-        if type(sampler) not in samplers:
-            return None
         plan = _fast_io.gather_plan(storage._storage)
         if plan is None:
             return None
+        sampler = self._sampler
         with self._replay_lock, self._write_lock:
             index, info = sampler.sample(storage, batch_size)
             info["index"] = index
+            # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
+            rows = index[0] if type(index) is tuple and len(index) == 1 else index
             if not (
-                type(index) is torch.Tensor
-                and index.ndim == 1
-                and index.is_cpu
-                and not index.is_floating_point()
+                type(rows) is torch.Tensor
+                and rows.ndim == 1
+                and rows.is_cpu
+                and not rows.is_floating_point()
+                and not rows.is_complex()
+                and rows.dtype != torch.bool
             ):
                 return self._fr_general_get(storage, index), info, False
-            data, written = _fast_io.gather_rows(plan, index, len(storage), info)
+            extra = info
+            if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
+                extra = {**info, "index": torch.stack(index, -1)}
+            data, written = _fast_io.gather_rows(
+                plan, rows, len(storage), extra, _run_length(sampler, batch_size)
+            )
         return data, info, written
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:

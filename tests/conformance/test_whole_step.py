@@ -528,3 +528,62 @@ def test_shared_buffer_takes_the_general_path(taken: dict) -> None:
     rb.extend(rows(3, 1))
     rb.sample()
     assert taken == {"write": 0, "gather": 0}
+
+
+# --------------------------------------------------------------------------- slice samplers
+
+SLICE_SAMPLERS = {
+    "slice": lambda capacity: fastreplay.SliceSampler(slice_len=3),
+    "slice, num_slices": lambda capacity: fastreplay.SliceSampler(num_slices=3),
+    "slice, short slices": lambda capacity: fastreplay.SliceSampler(
+        slice_len=4, strict_length=False
+    ),
+    "torchrl slice": lambda capacity: trl.SliceSampler(slice_len=3),
+    "slice without replacement": lambda capacity: fastreplay.SliceSamplerWithoutReplacement(
+        slice_len=3
+    ),
+    "prioritized slice": lambda capacity: fastreplay.PrioritizedSliceSampler(
+        capacity, ALPHA, BETA, slice_len=3
+    ),
+}
+
+
+def episode_rows(first: int, n: int, seed: int) -> TensorDict:
+    """Steps ``first .. first + n - 1`` of episodes of 5 steps (``episode`` and done flags)."""
+    data = rows(n, seed)
+    steps = torch.arange(first, first + n)
+    data["episode"] = steps // 5
+    data[("next", "done")] = (steps % 5 == 4)[:, None]
+    return data
+
+
+def script_slices(prioritized: bool, sizes: tuple[int, ...] = (9, 4, 7, 1, 11, 6, 8, 3)):
+    script: list[tuple] = []
+    first = 0
+    for step, n in enumerate(sizes):
+        script.append(("extend", lambda f=first, n=n, s=step: episode_rows(f, n, s), {}))
+        first += n
+        script.append(("sample", None, step % 2 == 1))
+        if prioritized:
+            script.append(("update", 0.5 + step))
+    return script
+
+
+@pytest.mark.parametrize("sampler", list(SLICE_SAMPLERS))
+def test_slice_samplers_match_torchrl(sampler: str, taken: dict) -> None:
+    capacity = 23  # odd; the writes wrap around it, and slices with them
+
+    def factory(side: str) -> Any:
+        cls = trl.TensorDictReplayBuffer if side == "torchrl" else fastreplay.TensorDictReplayBuffer
+        rb = cls(
+            storage=trl.LazyTensorStorage(capacity),
+            sampler=SLICE_SAMPLERS[sampler](capacity),
+            batch_size=12,
+            generator=torch.Generator().manual_seed(7),
+        )
+        rb._fr_fast = side == "fast"
+        return rb
+
+    script = script_slices(prioritized=sampler == "prioritized slice")
+    run_sides(script, factory)
+    assert taken == {"write": 7, "gather": 8}
