@@ -587,3 +587,36 @@ def test_slice_samplers_match_torchrl(sampler: str, taken: dict) -> None:
     script = script_slices(prioritized=sampler == "prioritized slice")
     run_sides(script, factory)
     assert taken == {"write": 7, "gather": 8}
+
+
+def test_rows_with_a_time_dimension_in_a_1d_storage(taken: dict) -> None:
+    """Data of batch size ``[n, 2]`` in a 1-D storage: rows of shape ``[2, ...]``."""
+
+    def timed(seed: int, n: int) -> TensorDict:
+        data = rows(2 * n, seed)
+        return TensorDict(
+            {k: v.reshape(n, 2, *v.shape[1:]) for k, v in data.items(True, True)},
+            batch_size=[n, 2],
+        )
+
+    script = [("extend", lambda s=s, n=n: timed(s, n), {}) for s, n in ((0, 7), (1, 3), (2, 5))]
+    script += [("sample", None, True), ("extend", lambda: timed(3, 4), {}), ("sample", None, False)]
+    run_sides(script, lambda side: make(side, "random"))
+    # the stored index is [capacity, 2]: writes take the general path, reads the direct one
+    assert taken == {"write": 0, "gather": 2}
+
+
+def test_sampler_without_replacement(taken: dict) -> None:
+    def factory(side: str) -> Any:
+        cls = trl.TensorDictReplayBuffer if side == "torchrl" else fastreplay.TensorDictReplayBuffer
+        rb = cls(
+            storage=trl.LazyTensorStorage(11),
+            sampler=trl.SamplerWithoutReplacement(),
+            batch_size=3,
+            generator=torch.Generator().manual_seed(2),
+        )
+        rb._fr_fast = side == "fast"
+        return rb
+
+    run_sides(script_per_step(update=False), factory)
+    assert taken == {"write": direct_writes(11), "gather": 12}
