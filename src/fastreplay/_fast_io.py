@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from tensordict import MemoryMappedTensor, TensorDict
+from tensordict.utils import _StringOnlyDict
 
 __all__ = ["gather_plan", "gather_rows", "write_pairs", "write_rows"]
 
@@ -180,7 +181,19 @@ def gather_rows(
 
 def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
     """Sort ``extra`` into a tree of levels in ``put``; False if an entry does not fit."""
+    rest, device, _ = plan
+    flat = not rest and (device is None or device.type == "cpu")
     for key, value in extra.items():
+        if flat and type(key) is str:  # the common case: a top-level entry of shape [n, ...]
+            if (
+                type(value) is not torch.Tensor
+                or key in put
+                or value.shape[:1] != head
+                or not value.is_cpu
+            ):
+                return False
+            put[key] = value
+            continue
         path = (key,) if type(key) is str else key
         if type(path) is not tuple or not path or type(value) is not torch.Tensor:
             return False
@@ -241,7 +254,7 @@ def _gather_level(
     run: int | None,
 ) -> TensorDict:
     rest, device, entries = plan
-    out = {}
+    out = _StringOnlyDict()
     for key, leaf in entries:
         value = put.get(key)
         if value is not None and type(value) is not dict:
@@ -264,4 +277,36 @@ def _gather_level(
     for key, value in put.items():
         if key not in out:
             out[key] = value
-    return TensorDict._new_unsafe(out, batch_size=head + rest, device=device, nested=False)
+    return _new_td(out, head + rest if rest else head, device)
+
+
+def _new_td_unsafe(entries: _StringOnlyDict, batch_size: torch.Size, device: Any) -> TensorDict:
+    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device, nested=False)
+
+
+def _new_td_direct(entries: _StringOnlyDict, batch_size: torch.Size, device: Any) -> TensorDict:
+    """What ``TensorDict._new_unsafe`` builds, its four fields set directly.
+
+    No device parsing and no compile check: a fifth of ``_new_unsafe``'s time per sample.
+    """
+    out = _object_new(TensorDict)
+    out._device = device
+    out._tensordict = entries
+    out._batch_size = batch_size
+    out._td_dim_names = None
+    return out
+
+
+def _direct_matches() -> bool:
+    """Whether :func:`_new_td_direct` gives ``_new_unsafe``'s object (this tensordict)."""
+    size = torch.Size((2,))
+    try:
+        reference = _new_td_unsafe(_StringOnlyDict(), size, None)
+        direct = _new_td_direct(_StringOnlyDict(), size, None)
+    except Exception:  # pragma: no cover - another tensordict
+        return False
+    return vars(reference) == vars(direct)
+
+
+_object_new = object.__new__
+_new_td = _new_td_direct if _direct_matches() else _new_td_unsafe

@@ -28,6 +28,7 @@ compares both paths call by call.
 
 from __future__ import annotations
 
+from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
 import torch
@@ -48,11 +49,34 @@ __all__ = ["FastPathMixin"]
 _STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
 
 
+_ROW_DTYPES = (torch.long, torch.int32)  # what index_select takes (and TorchRL's indexing)
+_GENERATIONS = "_slot_generations"  # where TorchRL's writers keep per-row generations
+_CONSUMING: dict[type, bool] = {}
+
+
+def _consuming(cls: type) -> bool:
+    """Whether sampler class ``cls`` is a ``ConsumingSampler`` (cached per class)."""
+    known = _CONSUMING.get(cls)
+    if known is None:
+        known = _CONSUMING[cls] = issubclass(cls, ConsumingSampler)
+    return known
+
+
+def _empty_compose(transform: Any) -> bool:
+    """Whether ``transform`` is an empty ``Compose`` (what TorchRL builds by default)."""
+    if type(transform) is not Compose:
+        return False
+    modules = transform.__dict__.get("_modules")  # nn.Module's registry of submodules
+    transforms = modules.get("transforms") if modules is not None else None
+    return transforms is not None and len(transforms) == 0
+
+
 def _run_length(sampler: Any, batch_size: int) -> int | None:
     """The slice length a slice sampler's rows likely come in (checked by the gather)."""
-    length = getattr(sampler, "slice_len", None)
+    settings = sampler.__dict__
+    length = settings.get("slice_len")
     if length is None:
-        slices = getattr(sampler, "num_slices", None)
+        slices = settings.get("num_slices")
         length = batch_size // slices if isinstance(slices, int) and slices > 0 else None
     return length if isinstance(length, int) else None
 
@@ -71,32 +95,40 @@ class FastPathMixin:
     def _fr_plain(self) -> TensorStorage | None:
         """The storage if the buffer is in the common set-up (both directions), else None.
 
-        O(1): about twenty attribute checks, cheapest and most selective first.
+        O(1): about twenty attribute checks. Optional attributes are read from the instance
+        dictionaries (a missing attribute through ``getattr`` costs an exception).
         """
-        if not self._fr_fast or not getattr(self, "_initialized", False):
+        state = self.__dict__
+        if not self._fr_fast or not state.get("_initialized", False):
             return None
-        storage = self._storage
-        writer = self._writer
-        transform = self._transform
+        # ``.get`` with a default that declines: an attribute TorchRL did not set means a
+        # set-up this path does not know.
+        storage = state.get("_storage")
+        writer = state.get("_writer")
+        transform = state.get("_transform")
         if (
             type(storage) not in _STORAGES
             or type(writer) is not TensorDictRoundRobinWriter
-            or self.shared
-            or self._prefetch
-            or self._dim_extend != 0
-            or self._sample_unit is not None
-            or self._collate_fn is not _collate_id
-            or not storage.initialized
+            or state.get("shared", True)
+            or state.get("_prefetch", True)
+            or state.get("_dim_extend") != 0
+            or state.get("_sample_unit") is not None
+            or state.get("_collate_fn") is not _collate_id
+            or not state.get("_sync", True)
+            or state.get("_fr_pinning", False)
+            or state.get("_fr_device") is not None
+            or not (transform is None or _empty_compose(transform))
+            or _consuming(type(state.get("_sampler")))
+        ):
+            return None
+        stored, written = storage.__dict__, writer.__dict__
+        if (
+            not stored.get("initialized", False)
             or storage.ndim != 1
-            or storage._compilable
-            or writer._compilable
-            or writer._track_generations
-            or getattr(storage, "_slot_generations", None) is not None
-            or not (transform is None or (type(transform) is Compose and not transform.transforms))
-            or isinstance(self._sampler, ConsumingSampler)
-            or not getattr(self, "_sync", True)
-            or getattr(self, "_fr_pinning", False)
-            or getattr(self, "_fr_device", None) is not None
+            or stored.get("_compilable", True)
+            or written.get("_compilable", True)
+            or written.get("_track_generations", True)
+            or stored.get(_GENERATIONS) is not None
         ):
             return None
         return storage
@@ -139,31 +171,40 @@ class FastPathMixin:
         writer = self._writer
         # The shared counters TorchRL's properties wrap (created by the first write, which
         # initialised the storage through the general path).
-        cursor_value = writer._cursor_value
-        count_value = writer._write_count_value
-        len_value = storage._len_value
-        last_value = storage._last_cursor_index_value
-        revision = storage._mutation_revision_value
-        if None in (cursor_value, count_value, len_value, last_value, revision):
+        counters = (
+            writer.__dict__.get("_cursor_value"),
+            writer.__dict__.get("_write_count_value"),
+            storage.__dict__.get("_len_value"),
+            storage.__dict__.get("_last_cursor_index_value"),
+            storage.__dict__.get("_mutation_revision_value"),
+        )
+        if any(type(counter) is not _Synchronized for counter in counters):
             return None
+        cursor_value, count_value, len_value, last_value, revision = counters
         with self._replay_lock, self._write_lock:
-            cursor = cursor_value.value
-            stop = cursor + n
+            # Each counter is updated under its own lock, as TorchRL's properties do (here
+            # read and written in one holding).
+            with cursor_value.get_lock():
+                cursor_cell = cursor_value.get_obj()
+                cursor = cursor_cell.value
+                stop = cursor + n
+                # The writer's bookkeeping, in its order: cursor and count first.
+                cursor_cell.value = stop % capacity
             index = torch.arange(cursor, stop)
             if stop > capacity:
                 index.remainder_(capacity)
-            # The writer's bookkeeping, in its order: cursor and count first.
-            cursor_value.value = stop % capacity
-            count_value.value += n
+            with count_value.get_lock():
+                count_value.get_obj().value += n
             # TensorStorage.set: last cursor, length, rows, mutation revision.
             storage._last_cursor = index
             with last_value.get_lock():
-                last_value.value = (stop - 1) % capacity
-            length = len_value.value + n
-            len_value.value = length if length < capacity else capacity
+                last_value.get_obj().value = (stop - 1) % capacity
+            with len_value.get_lock():
+                length_cell = len_value.get_obj()
+                length_cell.value = min(length_cell.value + n, capacity)
             _fast_io.write_rows([*pairs, (index_leaf, index)], index)
             with revision.get_lock():
-                revision.value += 1
+                revision.get_obj().value += 1
             # The writer tells every buffer attached to the storage (its sampler marks the
             # rows), then the buffer tells its sampler.
             for entity in storage._attached_entities:
@@ -191,13 +232,14 @@ class FastPathMixin:
         TorchRL's ``ReplayBuffer.update_priority`` with ``priority`` already a tensor and a
         1-D storage: ``torch.as_tensor`` and the ``dim_extend`` transpose are no-ops there.
         """
+        state = self.__dict__
         if (
             type(priority) is torch.Tensor
             and type(index) is torch.Tensor
             and self._fr_fast
-            and getattr(self, "_initialized", False)
-            and getattr(self, "_sync", True)
-            and self._dim_extend == 0
+            and state.get("_initialized", False)
+            and state.get("_sync", True)
+            and state.get("_dim_extend") == 0
         ):
             with self._replay_lock, self._write_lock:
                 self._sampler.update_priority(index, priority, storage=self._storage)
@@ -239,20 +281,20 @@ class FastPathMixin:
             info["index"] = index
             # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
             rows = index[0] if type(index) is tuple and len(index) == 1 else index
+            length = storage.__dict__.get("_len_value")
             if not (
                 type(rows) is torch.Tensor
+                and rows.dtype in _ROW_DTYPES
                 and rows.ndim == 1
                 and rows.is_cpu
-                and not rows.is_floating_point()
-                and not rows.is_complex()
-                and rows.dtype != torch.bool
+                and length is not None
             ):
                 return self._fr_general_get(storage, index), info, False
             extra = info
             if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
                 extra = {**info, "index": torch.stack(index, -1)}
             data, written = _fast_io.gather_rows(
-                plan, rows, len(storage), extra, _run_length(sampler, batch_size)
+                plan, rows, length.value, extra, _run_length(sampler, batch_size)
             )
         return data, info, written
 

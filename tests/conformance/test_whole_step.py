@@ -475,6 +475,10 @@ def _track_generations_prebuilt(side: str) -> Any:
     )
 
 
+def _consume(side: str) -> Any:
+    return make(side, "random", consume_after_n_samples=2)
+
+
 def _collate(side: str) -> Any:
     return make(side, collate_fn=lambda x: x)
 
@@ -489,6 +493,7 @@ def _collate(side: str) -> Any:
         _list_storage,
         _track_generations,
         _track_generations_prebuilt,
+        _consume,
         _collate,
     ],
     ids=lambda f: f.__name__.strip("_"),
