@@ -268,3 +268,30 @@ def test_gather_plan_refuses_non_tensor_leaves_and_names() -> None:
     named = store()
     named.names = ["time"]
     assert _fast_io.gather_plan(named) is None
+
+
+def test_whole_step_benchmark_runs_small_and_checks_its_answers(tmp_path, capsys) -> None:
+    import json
+
+    from benchmarks.harness import main
+
+    threads = torch.get_num_threads()
+    argv = ["--only", "whole_step", "--step-per-capacity", "3k", "--step-slice-capacity", "9k"]
+    argv += ["--step-slice-stored", "7k", "--step-slice-episode", "50", "--repeats", "1"]
+    try:
+        assert main([*argv, "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    cases = [r["case"] for r in results]
+    assert cases == [
+        "PER step (extend 16, sample 256, update 256), 3k",
+        "PER step, 3k, general path",
+        "slice static, 9k/7k ep50",
+        "slice static, 9k/7k ep50, general path",
+        "slice online (extend 1000 + sample), 9k/7k ep50",
+        "slice online (extend 1000 + sample), 9k/7k ep50, general path",
+    ]
+    assert all(r["correct"] for r in results)
+    assert results[0]["extra"]["general_path_s"] > 0 and results[0]["extra"]["sampler_alone_s"] > 0
+    assert "PER step 3k:" in capsys.readouterr().out
