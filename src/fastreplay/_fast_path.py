@@ -28,6 +28,7 @@ compares both paths call by call.
 
 from __future__ import annotations
 
+import contextlib
 from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
@@ -150,8 +151,37 @@ class FastPathMixin:
         empty ``Compose`` TorchRL applies first writes ``index`` into a shallow copy of
         ``data``: ``data`` itself is left as it is, as there. O(rows x row size + leaves).
         """
+        if (
+            self.priority_key == "index"
+            or type(self.__dict__.get("_write_lock")) is not contextlib.nullcontext
+        ):
+            return None  # (a shared buffer's write lock is not re-entrant: decide unlocked)
+        with self._replay_lock:  # held while deciding, as while writing
+            index = self._fr_write(data)
+        if index is None:
+            return None
+        if update_priority is None or update_priority:
+            try:
+                key = self.priority_key
+                # ``TensorDict.get`` of a top-level key, without its key parsing
+                vector = data._tensordict.get(key) if type(key) is str else data.get(key)
+                if vector is not None:
+                    self.update_priority(index, vector)
+            except Exception as e:
+                raise RuntimeError(
+                    "Failed to update priority of extended data. You can try to set "
+                    "update_priority=False in the extend method and update the priority "
+                    "manually."
+                ) from e
+        return index
+
+    def _fr_write(self, data: Any) -> torch.Tensor | None:
+        """Write ``data``'s rows as TorchRL's writer and storage would; ``None``: not done.
+
+        Call under the buffer's locks. Nothing is changed unless the rows are written.
+        """
         storage = self._fr_plain()
-        if storage is None or self.priority_key == "index":
+        if storage is None:
             return None
         store = storage._storage
         pairs = _fast_io.write_pairs(store, data, skip="index")
@@ -181,48 +211,34 @@ class FastPathMixin:
         if any(type(counter) is not _Synchronized for counter in counters):
             return None
         cursor_value, count_value, len_value, last_value, revision = counters
-        with self._replay_lock, self._write_lock:
-            # Each counter is updated under its own lock, as TorchRL's properties do (here
-            # read and written in one holding).
-            with cursor_value.get_lock():
-                cursor_cell = cursor_value.get_obj()
-                cursor = cursor_cell.value
-                stop = cursor + n
-                # The writer's bookkeeping, in its order: cursor and count first.
-                cursor_cell.value = stop % capacity
-            index = torch.arange(cursor, stop)
-            if stop > capacity:
-                index.remainder_(capacity)
-            with count_value.get_lock():
-                count_value.get_obj().value += n
-            # TensorStorage.set: last cursor, length, rows, mutation revision.
-            storage._last_cursor = index
-            with last_value.get_lock():
-                last_value.get_obj().value = (stop - 1) % capacity
-            with len_value.get_lock():
-                length_cell = len_value.get_obj()
-                length_cell.value = min(length_cell.value + n, capacity)
-            _fast_io.write_rows([*pairs, (index_leaf, index)], index)
-            with revision.get_lock():
-                revision.get_obj().value += 1
-            # The writer tells every buffer attached to the storage (its sampler marks the
-            # rows), then the buffer tells its sampler.
-            for entity in storage._attached_entities:
-                entity.mark_update(index)
-            self._sampler.extend(index)
-        if update_priority is None or update_priority:
-            try:
-                key = self.priority_key
-                # ``TensorDict.get`` of a top-level key, without its key parsing
-                vector = data._tensordict.get(key) if type(key) is str else data.get(key)
-                if vector is not None:
-                    self.update_priority(index, vector)
-            except Exception as e:
-                raise RuntimeError(
-                    "Failed to update priority of extended data. You can try to set "
-                    "update_priority=False in the extend method and update the priority "
-                    "manually."
-                ) from e
+        # Each counter is updated under its own lock, as TorchRL's properties do (here
+        # read and written in one holding).
+        with cursor_value.get_lock():
+            cursor_cell = cursor_value.get_obj()
+            cursor = cursor_cell.value
+            stop = cursor + n
+            # The writer's bookkeeping, in its order: cursor and count first.
+            cursor_cell.value = stop % capacity
+        index = torch.arange(cursor, stop)
+        if stop > capacity:
+            index.remainder_(capacity)
+        with count_value.get_lock():
+            count_value.get_obj().value += n
+        # TensorStorage.set: last cursor, length, rows, mutation revision.
+        storage._last_cursor = index
+        with last_value.get_lock():
+            last_value.get_obj().value = (stop - 1) % capacity
+        with len_value.get_lock():
+            length_cell = len_value.get_obj()
+            length_cell.value = min(length_cell.value + n, capacity)
+        _fast_io.write_rows([*pairs, (index_leaf, index)], index)
+        with revision.get_lock():
+            revision.get_obj().value += 1
+        # The writer tells every buffer attached to the storage (its sampler marks the
+        # rows), then the buffer tells its sampler.
+        for entity in storage._attached_entities:
+            entity.mark_update(index)
+        self._sampler.extend(index)
         return index
 
     # ------------------------------------------------------------------ priorities
@@ -272,11 +288,11 @@ class FastPathMixin:
             and not self._warned_batch_size_conflict
         ):
             return None  # TorchRL's warning
-        plan = _fast_io.gather_plan(storage._storage)
-        if plan is None:
-            return None
         sampler = self._sampler
         with self._replay_lock, self._write_lock:
+            plan = _fast_io.gather_plan(storage._storage)
+            if plan is None:
+                return None
             index, info = sampler.sample(storage, batch_size)
             info["index"] = index
             # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
