@@ -214,7 +214,8 @@ class _PinnedSampleMixin:
                 data, info, written = fast
                 if not written:
                     data, _ = _write_info(data, info)
-                return (data, info) if return_info else data
+                # a new dict, as TorchRL's (it maps ``info`` to the storage device)
+                return (data, dict(info)) if return_info else data
         data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
