@@ -369,7 +369,7 @@ def _slice(args: argparse.Namespace) -> list[Result]:
             out.append(sample())
         rb.sampler._rng = tr.sampler._rng = None
         (a, ia), (b, ib), (c, ic) = out
-        ok = _same_sample(a, b) and _same_sample(a, c) and _slices_ok(a)
+        ok = _same_sample(a, b) and _same_sample(a, c) and _slices_ok(a, capacity)
         for info in (ib, ic):
             ok &= list(ia) == list(info)
             for key in ia:
@@ -459,13 +459,16 @@ def _slice(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-def _slices_ok(sample: TensorDict) -> bool:
-    """Every slice: consecutive rows of one episode, a done flag only on its last step."""
+def _slices_ok(sample: TensorDict, capacity: int) -> bool:
+    """Every slice: consecutive rows of one episode, a done flag only on its last step.
+
+    Consecutive round the storage's end: a slice may continue from the last row to row 0.
+    """
     index = sample["index"].reshape(NUM_SLICES, -1)
     episode = sample["episode"].reshape(NUM_SLICES, -1)
     done = sample[_DONE].reshape(NUM_SLICES, -1)
     ok = bool((episode == episode[:, :1]).all())
-    ok &= bool(((index[:, 1:] - index[:, :-1]) >= 1).all())
+    ok &= bool(((index[:, 1:] - index[:, :-1]) % capacity == 1).all())
     return ok and not bool(done[:, :-1].any())
 
 
