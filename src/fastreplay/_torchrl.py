@@ -81,12 +81,17 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
 * **Sampler.can_sample** (:data:`HAS_CAN_SAMPLE`): 0.14 added ``Sampler.can_sample(storage,
   batch_size)`` (and ``ReplayBuffer.can_sample``); 0.13 has neither. fastreplay's samplers
   inherit it where TorchRL has it.
-* **Consuming samplers** (:func:`is_consuming`): 0.14 added ``ConsumingSampler`` and
+* **Consuming samplers** (:func:`is_consuming`, :data:`CONSUMING_SAMPLERS`): 0.14 added
+  ``ConsumingSampler`` and
   ``ReplayBuffer._is_consuming()``; 0.13 has neither (no buffer consumes).
 * **Buffer life cycle** (:data:`CHECKPOINTS_KEEP_PREFETCHED`): 0.14 added
   ``ReplayBuffer.shutdown()``/``synchronize()`` and checkpoints (``state_dict``, ``dumps``,
   pickling) that carry the prefetched samples; 0.13 has none of them (its checkpoints drop the
   prefetch queue).
+* **Direct buffer path** (:mod:`fastreplay._fast_path`): it updates the counters TorchRL
+  0.14 and the nightly keep for a write (writer cursor and count, storage length, last
+  cursor, mutation revision); where one is missing (0.13 has no mutation revision), every
+  write and sample takes TorchRL's own path.
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
   ``timeout`` and ``cancel_event`` keywords, which fastreplay's buffers forward.
 """
@@ -105,11 +110,20 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritized
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as TorchRLReplayBuffer
+from torchrl.data.replay_buffers import samplers as _samplers
 from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer as TorchRLRayReplayBuffer
+from torchrl.data.replay_buffers.replay_buffers import _storage_index
 from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH, Sampler
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.samplers import SliceSampler as TorchRLSliceSampler
-from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+from torchrl.data.replay_buffers.storages import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    Storage,
+    TensorStorage,
+    _collate_id,
+)
+from torchrl.data.replay_buffers.utils import INT_CLASSES
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
 
 __all__ = [
@@ -144,6 +158,12 @@ __all__ = [
     "TorchRLSliceSampler",
     "TorchRLSliceSamplerWithoutReplacement",
     "_REPLACEMENT_DISPATCH",
+    "CONSUMING_SAMPLERS",
+    "INT_CLASSES",
+    "LazyMemmapStorage",
+    "LazyTensorStorage",
+    "_collate_id",
+    "_storage_index",
     "_replace_last",
     "find_start_stop_traj",
     "init_marker_key",
@@ -157,6 +177,11 @@ __all__ = [
 
 TORCHRL_VERSION: str = torchrl.__version__
 """The installed TorchRL's version string (for messages; a date on the nightly)."""
+
+CONSUMING_SAMPLERS: tuple[type, ...] = tuple(
+    cls for cls in (getattr(_samplers, "ConsumingSampler", None),) if cls is not None
+)
+"""Samplers that remove what they return from the storage (``ConsumingSampler``, 0.14+)."""
 
 
 def _init_args(cls: type) -> frozenset[str]:

@@ -28,6 +28,7 @@ from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 
 from fastreplay import _pinning
+from fastreplay._fast_path import FastPathMixin
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import RandomSampler
@@ -210,6 +211,14 @@ class _PinnedSampleMixin:
                 "the output tensordict.",
                 stacklevel=2,
             )
+        if include_info is None and not kwargs:  # keywords of a newer TorchRL: its path
+            fast = self._fr_fast_sample(batch_size)
+            if fast is not None:
+                data, info, written = fast
+                if not written:
+                    data, _ = _write_info(data, info)
+                # a new dict, as TorchRL's (it maps ``info`` to the storage device)
+                return (data, dict(info)) if return_info else data
         data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True, **kwargs)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
@@ -323,7 +332,7 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     return torch.as_tensor(value, device=device)
 
 
-class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuffer):
+class TensorDictReplayBuffer(_PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLBuffer):
     """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
@@ -380,7 +389,7 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, SharedBufferChecks, _TorchRLBuf
 
 
 class TensorDictPrioritizedReplayBuffer(
-    _PinnedSampleMixin, SharedBufferChecks, _TorchRLPrioritizedBuffer
+    _PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLPrioritizedBuffer
 ):
     """TorchRL's ``TensorDictPrioritizedReplayBuffer`` with fastreplay's sampler, pinned in full.
 

@@ -1,0 +1,484 @@
+"""A whole training step through the buffer, TensorDict glue included.
+
+With fast samplers, the TensorDict work around them (writing rows into the storage, reading
+the sampled rows back, adding ``index`` and the weights) is most of a step. Cases:
+
+* ``PER step``: ``extend`` 16 rows of ``obs[4]``, ``sample(256)`` with importance weights,
+  ``update_priority`` of those 256, on a buffer filled with random priorities (``--step-per-
+  capacity``, 1M and 10M by default). Sides: TorchRL's ``TensorDictReplayBuffer`` with its
+  compiled ``PrioritizedSampler``; fastreplay's ``TensorDictReplayBuffer`` with its
+  ``PrioritizedSampler`` through its direct path and, on the same buffer, through TorchRL's
+  general path (``general path`` rows: what the direct path saves); cpprb's
+  ``PrioritizedReplayBuffer`` when cpprb is installed (``pip install cpprb``; its times are
+  printed and stored in ``results.json`` as ``extra.cpprb_s``).
+* ``slice``: ``SliceSampler`` with 256 slices of 32 on a storage of ``obs[4]``, ``action``,
+  ``reward``, ``episode`` and ``("next", "done")`` (``--step-slice-capacity`` /
+  ``--step-slice-stored``, episodes of ``--step-slice-episode`` steps): ``static`` (no writes
+  between samples; TorchRL with ``cache_values=True``) and ``online`` (``extend`` 1,000 rows
+  then ``sample``).
+
+All calls of one case are interleaved in one process. Correct: every side's sample holds the
+stored rows at its indices with valid weights or trajectories; for the same seed fastreplay's
+direct and general paths give identical samples (keys, dtypes, values, ``info``) and leave
+identical buffer state, and fastreplay's slice samples are identical to TorchRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage
+from torchrl.data import PrioritizedSampler as TorchRLPrioritizedSampler
+from torchrl.data import SliceSampler as TorchRLSliceSampler
+from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
+
+import fastreplay
+from benchmarks.harness import (
+    Result,
+    choice_list,
+    count_text,
+    counts_text,
+    fmt_count,
+    interleaved_seconds,
+    parse_count,
+    parse_counts,
+    positive_int,
+    progress,
+)
+
+NAME = "whole_step"
+DESCRIPTION = "A whole step through the buffer (PER vs TorchRL and cpprb; slices)"
+ALPHA, BETA = 0.7, 0.5
+CHUNK = 1_000_000
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--step-cases",
+        type=choice_list("per", "slice"),
+        default="per,slice",
+        help="which whole-step cases to run, comma-separated",
+    )
+    group.add_argument(
+        "--step-per-capacity",
+        type=counts_text,
+        default="1M,10M",
+        help="buffer capacities (all filled) for the PER step, comma-separated",
+    )
+    group.add_argument(
+        "--step-slice-capacity",
+        type=count_text,
+        default="8M",
+        help="storage capacity for the slice step",
+    )
+    group.add_argument(
+        "--step-slice-stored",
+        type=count_text,
+        default="6M",
+        help="rows written before the slice step is timed",
+    )
+    group.add_argument(
+        "--step-slice-episode",
+        type=positive_int,
+        default=1000,
+        help="episode length of the slice step's data",
+    )
+
+
+# --------------------------------------------------------------------------- PER step
+
+
+def _cpprb():
+    try:
+        import cpprb
+    except ImportError:
+        return None
+    return cpprb
+
+
+def _torchrl_compiled() -> bool:
+    try:
+        TorchRLPrioritizedSampler(2, 1.0, 1.0)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _per_buffers(capacity: int, torchrl_ok: bool, seed: int) -> dict:
+    buffers = {
+        "fastreplay": fastreplay.TensorDictReplayBuffer(
+            storage=LazyTensorStorage(capacity),
+            sampler=fastreplay.PrioritizedSampler(capacity, ALPHA, BETA),
+            batch_size=256,
+        )
+    }
+    if torchrl_ok:
+        buffers["torchrl"] = TorchRLBuffer(
+            storage=LazyTensorStorage(capacity),
+            sampler=TorchRLPrioritizedSampler(capacity, ALPHA, BETA),
+            batch_size=256,
+        )
+    cpprb = _cpprb()
+    if cpprb is not None:
+        buffers["cpprb"] = cpprb.PrioritizedReplayBuffer(
+            capacity, {"obs": {"shape": 4}}, alpha=ALPHA
+        )
+    gen = torch.Generator().manual_seed(seed)
+    with progress(capacity, f"fill PER {fmt_count(capacity)}") as advance:
+        for start in range(0, capacity, CHUNK):
+            stop = min(start + CHUNK, capacity)
+            obs = torch.randn(stop - start, 4, generator=gen)
+            priority = torch.rand(stop - start, generator=gen) + 0.05
+            for name, rb in buffers.items():
+                if name == "cpprb":
+                    rb.add(obs=obs.numpy(), priorities=priority.numpy())
+                else:
+                    rb.extend(TensorDict(obs=obs, batch_size=[stop - start]))
+                    rb.update_priority(torch.arange(start, stop), priority)
+            advance(stop - start)
+    return buffers
+
+
+def _torch_step(rb, new: TensorDict) -> None:
+    rb.extend(new)
+    batch = rb.sample(256)
+    rb.update_priority(batch["index"], batch["obs"][:, 0].abs() + 0.05)
+
+
+def _sampler_step(sampler, storage, new_index: torch.Tensor) -> None:
+    """The sampler's share of a PER step, on bare tensors (no buffer, no TensorDict)."""
+    sampler.mark_update(new_index, storage=storage)
+    index, _ = sampler.sample(storage, 256)
+    sampler.update_priority(index, torch.rand(256) + 0.05, storage=storage)
+
+
+def _cpprb_step(rb, new: np.ndarray) -> None:
+    rb.add(obs=new)
+    batch = rb.sample(256, beta=BETA)
+    rb.update_priorities(batch["indexes"], np.abs(batch["obs"][:, 0]) + 0.05)
+
+
+def _general(rb, fn):
+    """``fn(rb)`` through TorchRL's general path (fastreplay's direct path switched off)."""
+    rb._fr_fast = False
+    try:
+        return fn(rb)
+    finally:
+        rb._fr_fast = True
+
+
+def _valid_per_sample(rb, batch: TensorDict) -> bool:
+    index = batch["index"]
+    ok = bool(((index >= 0) & (index < len(rb))).all())
+    ok &= bool(torch.isfinite(batch["priority_weight"]).all())
+    ok &= bool((batch["priority_weight"] > 0).all())
+    return ok and torch.equal(batch["obs"], rb.storage._storage["obs"][index])
+
+
+def _same_sample(a: TensorDict, b: TensorDict) -> bool:
+    keys = list(a.keys(True, True))
+    if keys != list(b.keys(True, True)) or a.batch_size != b.batch_size or a.device != b.device:
+        return False
+    return all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in keys)
+
+
+def _same_state(a, b) -> bool:
+    """Same rows, cursor, count, length, last cursor, revision and priorities."""
+    sa, sb = a.storage, b.storage
+    ok = _same_sample(sa._storage, sb._storage)
+    ok &= (a.writer._cursor, a.writer._write_count) == (b.writer._cursor, b.writer._write_count)
+    ok &= (len(sa), sa._last_cursor_index) == (len(sb), sb._last_cursor_index)
+    ok &= sa._mutation_revision == sb._mutation_revision
+    ok &= torch.equal(sa._last_cursor, sb._last_cursor)
+    trees_a, trees_b = getattr(a.sampler, "_trees", None), getattr(b.sampler, "_trees", None)
+    if trees_a is not None:
+        ok &= torch.equal(trees_a.raw(), trees_b.raw())
+    return bool(ok)
+
+
+def _per_paths_agree(seed: int) -> bool:
+    """Direct and general path from the same state and seed: same samples, same state."""
+    capacity = 1_001  # odd, and wraps around several times
+    gen = torch.Generator().manual_seed(seed)
+    pair = []
+    for _ in range(2):
+        rb = fastreplay.TensorDictReplayBuffer(
+            storage=LazyTensorStorage(capacity),
+            sampler=fastreplay.PrioritizedSampler(capacity, ALPHA, BETA),
+            batch_size=64,
+        )
+        rb.sampler._rng = torch.Generator().manual_seed(seed)
+        pair.append(rb)
+    fast, general = pair
+    general._fr_fast = False
+    ok = True
+    for step in range(40):
+        rows = 16 if step % 3 else 373
+        data = TensorDict(
+            obs=torch.randn(rows, 4, generator=gen),
+            td_error=torch.rand(rows, generator=gen),
+            batch_size=[rows],
+        )
+        ok &= torch.equal(fast.extend(data), general.extend(data))
+        a, info_a = fast.sample(return_info=True)
+        b, info_b = general.sample(return_info=True)
+        ok &= _same_sample(a, b) and list(info_a) == list(info_b)
+        ok &= all(torch.equal(info_a[k], info_b[k]) for k in info_a)
+        priority = torch.rand(64, generator=gen) + 0.01
+        fast.update_priority(a["index"], priority)
+        general.update_priority(b["index"], priority)
+    return bool(ok and _same_state(fast, general))
+
+
+def _per(capacity: int, args: argparse.Namespace, torchrl_ok: bool) -> list[Result]:
+    buffers = _per_buffers(capacity, torchrl_ok, args.seed + capacity)
+    new = TensorDict(obs=torch.randn(16, 4), batch_size=[16])
+    new_np = new["obs"].numpy().copy()
+    rb = buffers["fastreplay"]
+    fns = {
+        "fastreplay": lambda rb=rb: _torch_step(rb, new),
+        "general": lambda rb=rb: _general(rb, lambda b: _torch_step(b, new)),
+    }
+    if "torchrl" in buffers:
+        fns["torchrl"] = lambda t=buffers["torchrl"]: _torch_step(t, new)
+    if "cpprb" in buffers:
+        fns["cpprb"] = lambda c=buffers["cpprb"]: _cpprb_step(c, new_np)
+    new_index = torch.arange(16)
+    fns["sampler alone"] = lambda rb=rb: _sampler_step(rb.sampler, rb.storage, new_index)
+    times = interleaved_seconds(fns, repeats=50 * args.repeats, warmup=20)
+
+    # Answers: valid samples on every side; the direct path reads what the general one reads.
+    correct = _per_paths_agree(args.seed)
+    seed = args.seed + 7
+    rb.sampler._rng = torch.Generator().manual_seed(seed)
+    fast_batch, fast_info = rb.sample(256, return_info=True)
+    rb.sampler._rng = torch.Generator().manual_seed(seed)
+    general_batch, general_info = _general(rb, lambda b: b.sample(256, return_info=True))
+    rb.sampler._rng = None
+    correct &= _same_sample(fast_batch, general_batch) and _valid_per_sample(rb, fast_batch)
+    correct &= all(torch.equal(fast_info[k], general_info[k]) for k in fast_info)
+    if "torchrl" in buffers:
+        correct &= _valid_per_sample(buffers["torchrl"], buffers["torchrl"].sample(256))
+    if "cpprb" in buffers:
+        batch = buffers["cpprb"].sample(256, beta=BETA)
+        correct &= bool((batch["indexes"] < capacity).all() and np.isfinite(batch["weights"]).all())
+    label = fmt_count(capacity)
+    cpprb_s = times.get("cpprb")
+    extra = {
+        "cpprb_s": cpprb_s,
+        "general_path_s": times["general"],
+        "sampler_alone_s": times["sampler alone"],
+        "fastreplay_over_cpprb": times["fastreplay"] / cpprb_s if cpprb_s else None,
+    }
+    params = {"capacity": capacity, "alpha": ALPHA, "beta": BETA, "extend": 16, "batch": 256}
+    torchrl_s = times.get("torchrl")
+    _print_row(f"PER step {label}", times)
+    del buffers, rb, fns
+    return [
+        Result(
+            NAME,
+            f"PER step (extend 16, sample 256, update 256), {label}",
+            times["fastreplay"],
+            torchrl_s,
+            correct,
+            params,
+            extra,
+        ),
+        Result(
+            NAME,
+            f"PER step, {label}, general path",
+            times["general"],
+            torchrl_s,
+            correct,
+            params,
+            extra,
+        ),
+    ]
+
+
+def _print_row(label: str, times: dict) -> None:
+    parts = [f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items()]
+    base = times["fastreplay"]
+    ratios = [
+        f"fastreplay/{name} {base / seconds:.2f}"
+        for name, seconds in times.items()
+        if name != "fastreplay" and seconds
+    ]
+    print(f"  {label}: {', '.join(parts)}; {', '.join(ratios)}", flush=True)
+
+
+# --------------------------------------------------------------------------- slice step
+
+_DONE = ("next", "done")
+NUM_SLICES, SLICE_LEN = 256, 32
+
+
+def _slice_rows(steps: torch.Tensor, episode: int, gen: torch.Generator) -> TensorDict:
+    n = steps.numel()
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 4, generator=gen),
+            "action": torch.randint(4, (n,), generator=gen),
+            "reward": torch.randn(n, 1, generator=gen),
+            "episode": steps // episode,
+            _DONE: (steps % episode == episode - 1)[:, None],
+        },
+        [n],
+    )
+
+
+def _slice(args: argparse.Namespace) -> list[Result]:
+    capacity = parse_count(args.step_slice_capacity)
+    stored = parse_count(args.step_slice_stored)
+    episode = args.step_slice_episode
+    batch = NUM_SLICES * SLICE_LEN
+    buffers = {
+        "fastreplay": fastreplay.TensorDictReplayBuffer(
+            storage=LazyTensorStorage(capacity),
+            sampler=fastreplay.SliceSampler(num_slices=NUM_SLICES),
+            batch_size=batch,
+        ),
+        "torchrl": TorchRLBuffer(
+            storage=LazyTensorStorage(capacity),
+            sampler=TorchRLSliceSampler(num_slices=NUM_SLICES, cache_values=True),
+            batch_size=batch,
+        ),
+    }
+    gen = torch.Generator().manual_seed(args.seed)
+    with progress(stored, f"fill slices {fmt_count(stored)}") as advance:
+        for start in range(0, stored, CHUNK):
+            rows = _slice_rows(torch.arange(start, min(start + CHUNK, stored)), episode, gen)
+            for rb in buffers.values():
+                rb.extend(rows)
+            advance(rows.numel())
+    rb, tr = buffers["fastreplay"], buffers["torchrl"]
+    written = [stored]
+
+    def same_seed_samples() -> bool:
+        out = []
+        for sample in (
+            lambda: rb.sample(return_info=True),
+            lambda: _general(rb, lambda b: b.sample(return_info=True)),
+            lambda: tr.sample(return_info=True),
+        ):
+            rb.sampler._rng = torch.Generator().manual_seed(args.seed)
+            tr.sampler._rng = torch.Generator().manual_seed(args.seed)
+            out.append(sample())
+        rb.sampler._rng = tr.sampler._rng = None
+        (a, ia), (b, ib), (c, ic) = out
+        ok = _same_sample(a, b) and _same_sample(a, c) and _slices_ok(a, capacity)
+        for info in (ib, ic):
+            ok &= list(ia) == list(info)
+            for key in ia:
+                x, y = ia[key], info[key]
+                ok &= all(map(torch.equal, x, y)) if isinstance(x, tuple) else torch.equal(x, y)
+        return bool(ok)
+
+    rb.sample()  # index the fill (untimed, as TorchRL's cache fill)
+    tr.sample()
+    correct = same_seed_samples()
+    static = interleaved_seconds(
+        {
+            "fastreplay": rb.sample,
+            "general": lambda: _general(rb, lambda b: b.sample()),
+            "torchrl": tr.sample,
+        },
+        repeats=max(5, 3 * args.repeats),
+    )
+
+    # Every online call writes the same new rows into both buffers: the other buffer's copy
+    # in the untimed setup. Their contents then stay identical for the final check.
+    pending: list[TensorDict] = []
+
+    def prepare(other) -> None:
+        rows = _slice_rows(torch.arange(written[0], written[0] + 1000), episode, gen)
+        written[0] += 1000
+        other.extend(rows)
+        pending[:] = [rows]
+
+    def online(target, read) -> None:
+        target.extend(pending[0])
+        read()
+
+    online_times = interleaved_seconds(
+        {
+            "fastreplay": lambda: online(rb, rb.sample),
+            "general": lambda: _general(rb, lambda b: online(b, b.sample)),
+            "torchrl": lambda: online(tr, tr.sample),
+        },
+        setup={
+            "fastreplay": lambda: prepare(tr),
+            "general": lambda: prepare(tr),
+            "torchrl": lambda: prepare(rb),
+        },
+        repeats={
+            "fastreplay": max(5, 3 * args.repeats),
+            "general": max(3, args.repeats),
+            "torchrl": max(3, args.repeats),
+        },
+    )
+    correct &= same_seed_samples()
+    params = {
+        "capacity": capacity,
+        "stored": stored,
+        "episode_len": episode,
+        "num_slices": NUM_SLICES,
+        "slice_len": SLICE_LEN,
+    }
+    size = f"{fmt_count(capacity)}/{fmt_count(stored)} ep{episode}"
+    _print_row(f"slice static {size}", static)
+    _print_row(f"slice online {size}", online_times)
+    results = []
+    for case, times in (("static", static), ("online (extend 1000 + sample)", online_times)):
+        extra = {"general_path_s": times["general"]}
+        results.append(
+            Result(
+                NAME,
+                f"slice {case}, {size}",
+                times["fastreplay"],
+                times["torchrl"],
+                correct,
+                params,
+                extra,
+            )
+        )
+        results.append(
+            Result(
+                NAME,
+                f"slice {case}, {size}, general path",
+                times["general"],
+                times["torchrl"],
+                correct,
+                params,
+                extra,
+            )
+        )
+    return results
+
+
+def _slices_ok(sample: TensorDict, capacity: int) -> bool:
+    """Every slice: consecutive rows of one episode, a done flag only on its last step.
+
+    Consecutive round the storage's end: a slice may continue from the last row to row 0.
+    """
+    index = sample["index"].reshape(NUM_SLICES, -1)
+    episode = sample["episode"].reshape(NUM_SLICES, -1)
+    done = sample[_DONE].reshape(NUM_SLICES, -1)
+    ok = bool((episode == episode[:, :1]).all())
+    ok &= bool(((index[:, 1:] - index[:, :-1]) % capacity == 1).all())
+    return ok and not bool(done[:, :-1].any())
+
+
+def run(args: argparse.Namespace) -> list[Result]:
+    cases = [c.strip() for c in args.step_cases.split(",") if c.strip()]
+    results = []
+    if "per" in cases:
+        torchrl_ok = _torchrl_compiled()
+        for capacity in parse_counts(args.step_per_capacity):
+            results += _per(capacity, args, torchrl_ok)
+    if "slice" in cases:
+        results += _slice(args)
+    return results

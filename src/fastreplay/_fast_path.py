@@ -1,0 +1,324 @@
+"""Direct ``extend`` and ``sample`` for the common TensorDict replay-buffer set-up.
+
+TorchRL's ``extend`` goes through the writer, ``TensorStorage.set`` and
+``TensorDict.__setitem__``, and its ``sample`` through ``TensorStorage.get``,
+``TensorDict.__getitem__`` and ``TensorDict.set`` for the metadata. Every layer re-checks what
+the previous one checked, and with a fast sampler that glue is most of a training step.
+
+:class:`FastPathMixin` does the same work in one pass for the common case, decided on every
+call:
+
+* a 1-D ``TensorStorage`` / ``LazyTensorStorage`` / ``LazyMemmapStorage`` holding a plain
+  ``TensorDict`` on CPU, written by a ``TensorDictRoundRobinWriter`` (no generation tracking);
+* no transform, no prefetch, no pinning or ``device``, not shared, not consuming, no sample
+  unit, the default collate function, ``dim_extend=0``, a synchronous sampler;
+* ``extend``: a ``TensorDict`` with exactly the stored keys (``index`` aside), feature shapes
+  and dtypes, on CPU, 1 to ``max_size`` rows;
+* ``sample``: any sampler but a consuming one; a 1-D index tensor (or a tuple holding one,
+  as slice samplers return) is gathered directly, runs of consecutive rows one run at a
+  time; the metadata (``index``, weights, truncation flags) goes straight into the sample.
+
+Anything else takes TorchRL's path unchanged. The fast path leaves the storage, writer and
+sampler in exactly the state TorchRL's path leaves them (cursor, ``write_count``, length,
+last cursor, mutation revision, the stored ``index`` column, the sampler's ``mark_update`` /
+``extend`` calls and their order, the priority update), and returns the same sample (keys,
+dtypes, values, devices, batch size, ``info``). ``tests/conformance/test_whole_step.py``
+compares both paths call by call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
+from typing import Any
+
+import torch
+from torchrl.envs.transforms import Compose
+
+from fastreplay import _fast_io
+from fastreplay._torchrl import (
+    CONSUMING_SAMPLERS,
+    INT_CLASSES,
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    TensorDictRoundRobinWriter,
+    TensorStorage,
+    _collate_id,
+    _storage_index,
+)
+
+__all__ = ["FastPathMixin"]
+
+_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
+
+
+_ROW_DTYPES = (torch.long, torch.int32)  # what index_select takes (and TorchRL's indexing)
+_GENERATIONS = "_slot_generations"  # where TorchRL's writers keep per-row generations
+_CONSUMING: dict[type, bool] = {}
+
+
+def _consuming(cls: type) -> bool:
+    """Whether sampler class ``cls`` is a ``ConsumingSampler`` (cached per class)."""
+    known = _CONSUMING.get(cls)
+    if known is None:
+        known = _CONSUMING[cls] = issubclass(cls, CONSUMING_SAMPLERS)
+    return known
+
+
+def _empty_compose(transform: Any) -> bool:
+    """Whether ``transform`` is an empty ``Compose`` (what TorchRL builds by default)."""
+    if type(transform) is not Compose:
+        return False
+    modules = transform.__dict__.get("_modules")  # nn.Module's registry of submodules
+    transforms = modules.get("transforms") if modules is not None else None
+    return transforms is not None and len(transforms) == 0
+
+
+def _run_length(sampler: Any, batch_size: int) -> int | None:
+    """The slice length a slice sampler's rows likely come in (checked by the gather)."""
+    settings = sampler.__dict__
+    length = settings.get("slice_len")
+    if length is None:
+        slices = settings.get("num_slices")
+        length = batch_size // slices if isinstance(slices, int) and slices > 0 else None
+    return length if isinstance(length, int) else None
+
+
+class FastPathMixin:
+    """``extend`` / ``sample`` without TorchRL's layers, for the set-ups listed above.
+
+    Placed before the TorchRL buffer (and fastreplay's other mixins that wrap ``extend``) in
+    the bases; ``sample`` calls :meth:`_fr_fast_sample` first. ``_fr_fast = False`` on an
+    instance switches the fast path off (tests use it to compare both paths).
+    """
+
+    _fr_fast = True
+
+    # ------------------------------------------------------------------ common conditions
+    def _fr_plain(self) -> TensorStorage | None:
+        """The storage if the buffer is in the common set-up (both directions), else None.
+
+        O(1): about twenty attribute checks. Optional attributes are read from the instance
+        dictionaries (a missing attribute through ``getattr`` costs an exception).
+        """
+        state = self.__dict__
+        if not self._fr_fast or not state.get("_initialized", False):
+            return None
+        # ``.get`` with a default that declines: an attribute TorchRL did not set means a
+        # set-up this path does not know.
+        storage = state.get("_storage")
+        writer = state.get("_writer")
+        transform = state.get("_transform")
+        if (
+            type(storage) not in _STORAGES
+            or type(writer) is not TensorDictRoundRobinWriter
+            or state.get("shared", True)
+            or state.get("_prefetch", True)
+            or state.get("_dim_extend") != 0
+            or state.get("_sample_unit") is not None
+            or state.get("_collate_fn") is not _collate_id
+            or not state.get("_sync", True)
+            or state.get("_fr_pinning", False)
+            or state.get("_fr_device") is not None
+            or not (transform is None or _empty_compose(transform))
+            or _consuming(type(state.get("_sampler")))
+        ):
+            return None
+        stored, written = storage.__dict__, writer.__dict__
+        if (
+            not stored.get("initialized", False)
+            or storage.ndim != 1
+            or stored.get("_compilable", True)
+            or written.get("_compilable", True)
+            or written.get("_track_generations", True)
+            or stored.get(_GENERATIONS) is not None
+        ):
+            return None
+        return storage
+
+    # ------------------------------------------------------------------ extend
+    def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        """Extend as TorchRL does; the common set-up writes the rows directly."""
+        if not args and len(kwargs) <= ("update_priority" in kwargs):
+            index = self._fr_fast_extend(data, kwargs.get("update_priority"))
+            if index is not None:
+                return index
+        return super().extend(data, *args, **kwargs)  # type: ignore[misc]
+
+    def _fr_fast_extend(self, data: Any, update_priority: bool | None) -> torch.Tensor | None:
+        """TorchRL's ``TensorDictReplayBuffer.extend`` in one pass, or ``None`` (not taken).
+
+        Mirrors ``ReplayBuffer._extend`` -> ``TensorDictRoundRobinWriter.extend`` ->
+        ``TensorStorage.set`` -> ``TensorDict.__setitem__``, then the priority update. The
+        empty ``Compose`` TorchRL applies first writes ``index`` into a shallow copy of
+        ``data``: ``data`` itself is left as it is, as there. O(rows x row size + leaves).
+        """
+        if (
+            self.priority_key == "index"
+            or type(self.__dict__.get("_write_lock")) is not contextlib.nullcontext
+        ):
+            return None  # (a shared buffer's write lock is not re-entrant: decide unlocked)
+        with self._replay_lock:  # held while deciding, as while writing
+            index = self._fr_write(data)
+        if index is None:
+            return None
+        if update_priority is None or update_priority:
+            try:
+                key = self.priority_key
+                # ``TensorDict.get`` of a top-level key, without its key parsing
+                vector = data._tensordict.get(key) if type(key) is str else data.get(key)
+                if vector is not None:
+                    self.update_priority(index, vector)
+            except Exception as e:
+                raise RuntimeError(
+                    "Failed to update priority of extended data. You can try to set "
+                    "update_priority=False in the extend method and update the priority "
+                    "manually."
+                ) from e
+        return index
+
+    def _fr_write(self, data: Any) -> torch.Tensor | None:
+        """Write ``data``'s rows as TorchRL's writer and storage would; ``None``: not done.
+
+        Call under the buffer's locks. Nothing is changed unless the rows are written.
+        """
+        storage = self._fr_plain()
+        if storage is None:
+            return None
+        store = storage._storage
+        pairs = _fast_io.write_pairs(store, data, skip="index")
+        if pairs is None:
+            return None
+        n = data.batch_size[0] if data.batch_size else 0
+        capacity = storage.max_size
+        index_leaf = store._tensordict["index"]
+        if (
+            not 0 < n <= capacity
+            or store.batch_size[0] != capacity
+            or index_leaf.dtype != torch.long
+            or index_leaf.shape != (capacity,)
+            or (data.device is not None and data.device.type != "cpu")
+        ):
+            return None
+        writer = self._writer
+        # The shared counters TorchRL's properties wrap (created by the first write, which
+        # initialised the storage through the general path).
+        counters = (
+            writer.__dict__.get("_cursor_value"),
+            writer.__dict__.get("_write_count_value"),
+            storage.__dict__.get("_len_value"),
+            storage.__dict__.get("_last_cursor_index_value"),
+            storage.__dict__.get("_mutation_revision_value"),
+        )
+        if any(type(counter) is not _Synchronized for counter in counters):
+            return None
+        cursor_value, count_value, len_value, last_value, revision = counters
+        # Each counter is updated under its own lock, as TorchRL's properties do (here
+        # read and written in one holding).
+        with cursor_value.get_lock():
+            cursor_cell = cursor_value.get_obj()
+            cursor = cursor_cell.value
+            stop = cursor + n
+            # The writer's bookkeeping, in its order: cursor and count first.
+            cursor_cell.value = stop % capacity
+        index = torch.arange(cursor, stop)
+        if stop > capacity:
+            index.remainder_(capacity)
+        with count_value.get_lock():
+            count_value.get_obj().value += n
+        # TensorStorage.set: last cursor, length, rows, mutation revision.
+        storage._last_cursor = index
+        with last_value.get_lock():
+            last_value.get_obj().value = (stop - 1) % capacity
+        with len_value.get_lock():
+            length_cell = len_value.get_obj()
+            length_cell.value = min(length_cell.value + n, capacity)
+        _fast_io.write_rows([*pairs, (index_leaf, index)], index)
+        with revision.get_lock():
+            revision.get_obj().value += 1
+        # The writer tells every buffer attached to the storage (its sampler marks the
+        # rows), then the buffer tells its sampler.
+        for entity in storage._attached_entities:
+            entity.mark_update(index)
+        self._sampler.extend(index)
+        return index
+
+    # ------------------------------------------------------------------ priorities
+    def update_priority(self, index: Any, priority: Any) -> None:
+        """Update priorities as TorchRL does; tensors go straight to the sampler.
+
+        TorchRL's ``ReplayBuffer.update_priority`` with ``priority`` already a tensor and a
+        1-D storage: ``torch.as_tensor`` and the ``dim_extend`` transpose are no-ops there.
+        """
+        state = self.__dict__
+        if (
+            type(priority) is torch.Tensor
+            and type(index) is torch.Tensor
+            and self._fr_fast
+            and state.get("_initialized", False)
+            and state.get("_sync", True)
+            and state.get("_dim_extend") == 0
+        ):
+            with self._replay_lock, self._write_lock:
+                self._sampler.update_priority(index, priority, storage=self._storage)
+            return
+        super().update_priority(index, priority)  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ sample
+    def _fr_fast_sample(self, batch_size: int | None) -> tuple[Any, dict, bool] | None:
+        """TorchRL's ``sample(batch_size, return_info=True)``, in one pass, or ``None``.
+
+        Mirrors the checks of ``ReplayBuffer.sample``, ``TensorDictReplayBuffer._sample``
+        -> ``TensorStorage.get`` -> ``TensorDict.__getitem__``, and the metadata writes of
+        ``TensorDictReplayBuffer.sample``. Decided before the sampler runs: once taken, it
+        does not fall back. O(batch x row size + leaves) on top of the sampler.
+
+        Returns:
+            ``(data, info, written)``; ``written``: the metadata is in ``data`` already
+            (otherwise the caller writes it, as TorchRL's ``sample`` does).
+        """
+        storage = self._fr_plain()
+        if storage is None or self._service_shutdown or self._sample_dependency is not None:
+            return None
+        if batch_size is None:
+            batch_size = self._batch_size
+            if batch_size is None:
+                return None  # TorchRL's error
+        elif (
+            self._batch_size is not None
+            and batch_size != self._batch_size
+            and not self._warned_batch_size_conflict
+        ):
+            return None  # TorchRL's warning
+        sampler = self._sampler
+        with self._replay_lock, self._write_lock:
+            plan = _fast_io.gather_plan(storage._storage)
+            if plan is None:
+                return None
+            index, info = sampler.sample(storage, batch_size)
+            info["index"] = index
+            # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
+            rows = index[0] if type(index) is tuple and len(index) == 1 else index
+            length = storage.__dict__.get("_len_value")
+            if not (
+                type(rows) is torch.Tensor
+                and rows.dtype in _ROW_DTYPES
+                and rows.ndim == 1
+                and rows.is_cpu
+                and length is not None
+            ):
+                return self._fr_general_get(storage, index), info, False
+            extra = info
+            if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
+                extra = {**info, "index": torch.stack(index, -1)}
+            data, written = _fast_io.gather_rows(
+                plan, rows, length.value, extra, _run_length(sampler, batch_size)
+            )
+        return data, info, written
+
+    def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
+        """TorchRL's read, for a sampler result the direct gather does not cover."""
+        data = storage.get(_storage_index(index, storage))
+        if not isinstance(index, INT_CLASSES):
+            data = self._collate_fn(data)
+        return data

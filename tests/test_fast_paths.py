@@ -1,0 +1,297 @@
+"""``fastreplay._fast_io``: direct row writes and gathers on a TensorDict storage.
+
+Each function is checked against what ``TensorDict.__setitem__`` / ``__getitem__`` with an
+index tensor give (TorchRL's storage path), and each "not a plain match" answer is pinned:
+those set-ups must go to TorchRL's general path. The buffers that use these functions are
+compared call by call with TorchRL's in ``tests/conformance/test_whole_step.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, MemoryMappedTensor, NonTensorData, TensorDict
+
+from fastreplay import _fast_io
+
+
+def store(capacity: int = 7) -> TensorDict:
+    gen = torch.Generator().manual_seed(capacity)
+    return TensorDict(
+        {
+            "obs": torch.randn(capacity, 3, generator=gen),
+            "index": torch.arange(capacity),
+            ("next", "done"): torch.rand(capacity, 1, generator=gen) < 0.5,
+            ("next", "deep", "r"): torch.randn(capacity, 2, 2, generator=gen),
+        },
+        batch_size=[capacity],
+    )
+
+
+def rows(n: int, seed: int = 0) -> TensorDict:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDict(
+        {
+            "obs": torch.randn(n, 3, generator=gen),
+            ("next", "done"): torch.rand(n, 1, generator=gen) < 0.5,
+            ("next", "deep", "r"): torch.randn(n, 2, 2, generator=gen),
+        },
+        batch_size=[n],
+    )
+
+
+def assert_same(a: TensorDict, b: TensorDict) -> None:
+    assert list(a.keys(True, True)) == list(b.keys(True, True))
+    assert a.batch_size == b.batch_size and a.device == b.device
+    for key in a.keys(True, True):
+        assert type(a[key]) is type(b[key]) and a[key].dtype == b[key].dtype, key
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 3), (2, 5), (5, 4), (6, 1), (3, 7), (0, 7)])
+def test_write_rows_matches_setitem_with_the_writer_index(start: int, n: int) -> None:
+    ours, theirs, data = store(), store(), rows(n)
+    index = torch.arange(start, start + n) % 7
+    theirs[index] = data.set("index", index)
+    pairs = _fast_io.write_pairs(ours, rows(n), skip="index")
+    assert pairs is not None and len(pairs) == 3
+    _fast_io.write_rows([*pairs, (ours["index"], index)], index)
+    assert_same(ours, theirs)
+
+
+def test_write_rows_takes_strided_sources() -> None:
+    ours, theirs = store(), store()
+    data = TensorDict(
+        {
+            "obs": torch.randn(4, 6)[:, ::2],
+            ("next", "done"): (torch.rand(1, 4) < 0.5).t(),
+            ("next", "deep", "r"): torch.randn(2, 2, 4).permute(2, 0, 1),
+        },
+        batch_size=[4],
+    )
+    assert not data["obs"].is_contiguous()
+    index = torch.arange(5, 9) % 7
+    theirs[index] = data
+    _fast_io.write_rows(_fast_io.write_pairs(ours, data, skip="index"), index)
+    assert_same(ours.exclude("index"), theirs.exclude("index"))
+
+
+def _extra_key(data: TensorDict) -> TensorDict:
+    return data.set("extra", torch.zeros(data.shape[0]))
+
+
+def _missing_key(data: TensorDict) -> TensorDict:
+    return data.exclude(("next", "deep", "r"))
+
+
+def _dtype(data: TensorDict) -> TensorDict:
+    return data.set("obs", data["obs"].double())
+
+
+def _feature_shape(data: TensorDict) -> TensorDict:
+    return data.set("obs", torch.ones(data.shape[0], 1))
+
+
+def _grad(data: TensorDict) -> TensorDict:
+    return data.set("obs", data["obs"].requires_grad_())
+
+
+def _index(data: TensorDict) -> TensorDict:
+    return data.set("index", torch.zeros(data.shape[0], dtype=torch.long))
+
+
+def _lazy_stack(data: TensorDict) -> TensorDict:
+    return LazyStackedTensorDict.lazy_stack(list(data.unbind(0)), 0)
+
+
+def _nested_lazy_stack(data: TensorDict) -> TensorDict:
+    nested = data["next"]
+    data._tensordict["next"] = LazyStackedTensorDict.lazy_stack(list(nested.unbind(0)), 0)
+    return data
+
+
+def _nested_leaf(data: TensorDict) -> TensorDict:
+    return data.exclude("next").set("next", torch.zeros(data.shape[0]))
+
+
+def _batch_dims(data: TensorDict) -> TensorDict:
+    return TensorDict({"obs": data["obs"]}, batch_size=[data.shape[0], 3])
+
+
+def _non_tensor(data: TensorDict) -> TensorDict:
+    data._tensordict["obs"] = NonTensorData("x", batch_size=[data.shape[0]])
+    return data
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _extra_key,
+        _missing_key,
+        _dtype,
+        _feature_shape,
+        _grad,
+        _index,
+        _lazy_stack,
+        _nested_lazy_stack,
+        _nested_leaf,
+        _batch_dims,
+        _non_tensor,
+    ],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_write_pairs_refuses_what_is_not_a_plain_match(change) -> None:
+    assert _fast_io.write_pairs(store(), rows(3), skip="index") is not None
+    assert _fast_io.write_pairs(store(), change(rows(3)), skip="index") is None
+
+
+def test_write_pairs_needs_the_skipped_key_in_the_store() -> None:
+    assert _fast_io.write_pairs(store().exclude("index"), rows(3), skip="index") is None
+    assert _fast_io.write_pairs(store().exclude("index"), rows(3)) is not None
+
+
+@pytest.mark.parametrize("stored", [7, 4])
+def test_gather_rows_matches_getitem(stored: int) -> None:
+    data = store()
+    index = torch.tensor([3, 0, 3, stored - 1, 1])
+    plan = _fast_io.gather_plan(data)
+    assert plan is not None
+    ours, complete = _fast_io.gather_rows(plan, index, stored)
+    assert complete
+    assert_same(ours, data[:stored][index])
+    assert ours["next"].batch_size == ours["next", "deep"].batch_size == torch.Size([5])
+
+
+def test_gather_rows_sets_metadata_as_tensordict_set() -> None:
+    data, index = store(), torch.tensor([2, 5, 5])
+    weight = torch.rand(3)
+    extra = {"priority_weight": weight, "index": index}
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(data), index, 7, extra)
+    theirs = data[index]
+    for key, value in extra.items():
+        theirs.set(key, value)
+    assert complete
+    assert_same(ours, theirs)  # the stored "index" keeps its place; new keys come last
+    assert ours["priority_weight"] is weight and ours["index"] is index
+
+
+def test_gather_rows_sets_nested_metadata_as_tensordict_set() -> None:
+    data, index = store(), torch.tensor([2, 5, 5, 0])
+    flag = torch.zeros(4, 1, dtype=torch.bool)
+    extra = {
+        ("next", "truncated"): flag,
+        ("next", "done"): ~flag,
+        ("next", "deep", "w"): torch.ones(4, 3),
+        "index": index.unsqueeze(-1),
+        "weight": torch.rand(4),
+    }
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(data), index, 7, extra)
+    theirs = data[index]
+    for key, value in extra.items():
+        theirs.set(key, value)
+    assert complete
+    assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {("other", "x"): torch.zeros(3)},
+        {("obs", "x"): torch.zeros(3)},
+        {"w": torch.zeros(2)},
+        {"w": torch.zeros(())},
+        {"w": [1.0, 2.0, 3.0]},
+        {"next": torch.zeros(3), ("next", "x"): torch.zeros(3)},
+        {1: torch.zeros(3)},
+    ],
+    ids=["new level", "under a leaf", "batch", "scalar", "not a tensor", "conflict", "key"],
+)
+def test_gather_rows_leaves_metadata_that_does_not_fit_to_the_caller(extra: dict) -> None:
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(store()), torch.arange(3), 7, extra)
+    assert not complete
+    assert_same(ours, store()[torch.arange(3)])  # none of it set
+
+
+@pytest.mark.parametrize("stored", [7, 5])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [0, 1, 2, 4, 5, 6],
+        [2, 3, 4, 2, 3, 4],
+        [4, 5, 6, 0, 1, 2],
+        [3, 4, 5, 5, 6, 0],
+        [1, 2, 3, 4, 5],
+    ],
+    ids=["runs", "repeated runs", "wrapped runs", "not runs", "not a multiple"],
+)
+def test_gather_rows_by_runs_matches_getitem(stored: int, rows: list[int]) -> None:
+    data = store()
+    index = torch.tensor(rows)
+    if max(rows) >= stored:
+        with pytest.raises(IndexError):
+            _fast_io.gather_rows(_fast_io.gather_plan(data), index, stored, run=3)
+        return
+    by_runs = _fast_io._run_starts(index, 3, stored) is not None
+    assert by_runs == (rows in ([0, 1, 2, 4, 5, 6], [2, 3, 4, 2, 3, 4], [4, 5, 6, 0, 1, 2]))
+    ours, _ = _fast_io.gather_rows(_fast_io.gather_plan(data), index, stored, run=3)
+    assert_same(ours, data[:stored][index])
+    assert all(leaf.is_contiguous() for leaf in ours.values(True, True))
+
+
+def test_gather_rows_by_runs_from_a_memory_map(tmp_path) -> None:
+    data = store(9).memmap_(tmp_path)
+    index = torch.tensor([6, 7, 8, 0, 1, 2])
+    ours, _ = _fast_io.gather_rows(_fast_io.gather_plan(data), index, 9, run=3)
+    assert_same(ours, data[index])
+    assert type(ours["obs"]) is torch.Tensor
+
+
+def test_gather_rows_refuses_rows_past_the_filled_part() -> None:
+    plan = _fast_io.gather_plan(store())
+    with pytest.raises(IndexError):
+        _fast_io.gather_rows(plan, torch.tensor([0, 4]), 4)
+
+
+def test_gather_from_memory_mapped_leaves_gives_plain_tensors(tmp_path) -> None:
+    data = store().memmap_(tmp_path)
+    assert type(data["obs"]) is MemoryMappedTensor
+    plan = _fast_io.gather_plan(data)
+    ours, _ = _fast_io.gather_rows(plan, torch.tensor([1, 2]), 7)
+    assert_same(ours, data[torch.tensor([1, 2])])
+    assert type(ours["obs"]) is torch.Tensor
+
+
+def test_gather_plan_refuses_non_tensor_leaves_and_names() -> None:
+    data = store()
+    data._tensordict["text"] = NonTensorData("x", batch_size=[7])
+    assert _fast_io.gather_plan(data) is None
+    named = store()
+    named.names = ["time"]
+    assert _fast_io.gather_plan(named) is None
+
+
+def test_whole_step_benchmark_runs_small_and_checks_its_answers(tmp_path, capsys) -> None:
+    import json
+
+    from benchmarks.harness import main
+
+    threads = torch.get_num_threads()
+    argv = ["--only", "whole_step", "--step-per-capacity", "3k", "--step-slice-capacity", "9k"]
+    argv += ["--step-slice-stored", "7k", "--step-slice-episode", "50", "--repeats", "1"]
+    try:
+        assert main([*argv, "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    cases = [r["case"] for r in results]
+    assert cases == [
+        "PER step (extend 16, sample 256, update 256), 3k",
+        "PER step, 3k, general path",
+        "slice static, 9k/7k ep50",
+        "slice static, 9k/7k ep50, general path",
+        "slice online (extend 1000 + sample), 9k/7k ep50",
+        "slice online (extend 1000 + sample), 9k/7k ep50, general path",
+    ]
+    assert all(r["correct"] for r in results)
+    assert results[0]["extra"]["general_path_s"] > 0 and results[0]["extra"]["sampler_alone_s"] > 0
+    assert "PER step 3k:" in capsys.readouterr().out
