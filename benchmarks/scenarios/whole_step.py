@@ -48,6 +48,7 @@ from benchmarks.harness import (
     positive_int,
     progress,
 )
+from fastreplay._torchrl import last_cursor_row, mutation_revision
 
 NAME = "whole_step"
 DESCRIPTION = "A whole step through the buffer (PER vs TorchRL and cpprb; slices)"
@@ -190,9 +191,9 @@ def _same_state(a, b) -> bool:
     sa, sb = a.storage, b.storage
     ok = _same_sample(sa._storage, sb._storage)
     ok &= (a.writer._cursor, a.writer._write_count) == (b.writer._cursor, b.writer._write_count)
-    ok &= (len(sa), sa._last_cursor_index) == (len(sb), sb._last_cursor_index)
-    ok &= sa._mutation_revision == sb._mutation_revision
-    ok &= torch.equal(sa._last_cursor, sb._last_cursor)
+    ok &= (len(sa), last_cursor_row(sa)) == (len(sb), last_cursor_row(sb))
+    ok &= mutation_revision(sa, 0) == mutation_revision(sb, 0)
+    ok &= torch.equal(torch.as_tensor(sa._last_cursor), torch.as_tensor(sb._last_cursor))
     trees_a, trees_b = getattr(a.sampler, "_trees", None), getattr(b.sampler, "_trees", None)
     if trees_a is not None:
         ok &= torch.equal(trees_a.raw(), trees_b.raw())

@@ -38,6 +38,7 @@ from torchrl.envs.transforms import Compose
 from fastreplay import _fast_io
 from fastreplay._torchrl import (
     CONSUMING_SAMPLERS,
+    DIRECT_BUFFER_PATH,
     INT_CLASSES,
     LazyMemmapStorage,
     LazyTensorStorage,
@@ -102,7 +103,7 @@ class FastPathMixin:
         dictionaries (a missing attribute through ``getattr`` costs an exception).
         """
         state = self.__dict__
-        if not self._fr_fast or not state.get("_initialized", False):
+        if not (DIRECT_BUFFER_PATH and self._fr_fast and state.get("_initialized", False)):
             return None
         # ``.get`` with a default that declines: an attribute TorchRL did not set means a
         # set-up this path does not know.

@@ -159,6 +159,7 @@ __all__ = [
     "TorchRLSliceSamplerWithoutReplacement",
     "_REPLACEMENT_DISPATCH",
     "CONSUMING_SAMPLERS",
+    "DIRECT_BUFFER_PATH",
     "INT_CLASSES",
     "LazyMemmapStorage",
     "LazyTensorStorage",
@@ -267,6 +268,9 @@ def mutation_revision(storage: Any, assumed: int) -> int:
 
 
 _STORAGE_HAS_REVISION: bool = hasattr(Storage, "_mutation_revision")
+
+DIRECT_BUFFER_PATH: bool = _STORAGE_HAS_REVISION
+"""Whether fastreplay's direct buffer path runs: it keeps the write counters of 0.14+ storages."""
 
 STORAGE_HAS_REVISION: bool = _STORAGE_HAS_REVISION
 """Whether storages count their writes (0.14, nightly), so that a sampler sees writes it was
