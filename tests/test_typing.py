@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, short_flat_batches
 
 USAGE = REPO / "tests" / "typed_usage.py"
 
@@ -54,6 +54,7 @@ def test_mypy_accepts_the_documented_usage_with_every_type_resolved() -> None:
     assert revealed[1] == "fastreplay.samplers.slice.SliceSampler", revealed
 
 
+@short_flat_batches  # strict_length=False slices: TorchRL's nightly warns there too
 def test_the_usage_file_runs() -> None:
     """The typed examples are working code (all but the Ray buffer, which starts Ray)."""
     spec = importlib.util.spec_from_file_location("typed_usage", USAGE)

@@ -54,7 +54,7 @@ def slice_sampler() -> None:
     index, info = sampler.sample(rb.storage, 8)
     assert 0 < index[0].numel() <= 8 and isinstance(info, dict)
     by_length = SliceSampler(slice_len=4, end_key=DONE, pad_output=True, strict_length=False)
-    keys = SliceSampler(slice_len=4, end_keys=[DONE, ("next", "truncated")], use_gpu=False)
+    keys = SliceSampler(slice_len=4, traj_key="episode", use_gpu=False)  # every TorchRL version
     assert by_length.slice_len == keys.slice_len == 4
 
 
