@@ -28,6 +28,8 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
+from conftest import requires_storage_revision, shutdown
+from fastreplay._torchrl import STORAGE_HAS_REVISION, last_cursor_row
 
 if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - Linux has it
     pytest.skip("needs the 'fork' start method (Linux)", allow_module_level=True)
@@ -107,7 +109,9 @@ def dreamer_buffer(module: Any, envs: int, prefetch: int) -> Any:
     ("module", "envs", "prefetch"),
     [
         (fastreplay, 1, 3),
-        (fastreplay, 2, 3),
+        # A 2-D storage's remote writes are not reported to the sampler (one report per write
+        # holds 1-D rows only): the storage's write counter shows them, where TorchRL has one.
+        pytest.param(fastreplay, 2, 3, marks=requires_storage_revision),
         (fastreplay, 1, 0),
         (trl, 1, 3),  # TorchRL's own classes: the reference (no bad slice)
     ],
@@ -137,7 +141,7 @@ def test_slices_stay_in_one_episode_while_writer_processes_wrap(
             p.join(30)
             if p.is_alive():  # pragma: no cover - a hang: fail, never block the suite
                 p.kill()
-        rb.shutdown()  # prefetch threads finish their samples
+        shutdown(rb)  # prefetch threads finish their samples (TorchRL 0.13: no rb.shutdown)
     assert [p.exitcode for p in procs] == [0] * WRITERS
     assert rb.write_count == WRITERS * chunks * CHUNK  # time rows
     assert samples >= 20
@@ -274,6 +278,7 @@ def test_remote_writes_of_any_size_and_order_reach_the_index_exactly(
     reference = trl.SliceSampler(slice_len=3, traj_key="episode")
     local = episode_rows(0)
     written = [0, 0, 0]  # steps each writer has written (its next step)
+    lagging: list[bool] = []  # phases where the learner's own last written row is stale
     for number, (phase, cursor) in enumerate(PHASES):
         assert rb._writer._cursor == cursor, f"phase {number}"
         before = len(rebuilds)
@@ -296,4 +301,17 @@ def test_remote_writes_of_any_size_and_order_reach_the_index_exactly(
         want = [a.tolist() for a in reference._get_stop_and_length(storage)]
         assert got == want, f"phase {number}"
         over = sum(size for _, sizes in phase for size in sizes) >= SMALL  # all rows anew
-        assert len(rebuilds) - before == int(over), f"phase {number}"
+        # TorchRL 0.13 keeps the last written row per process (no shared cursor): once the
+        # storage is full, its boundaries end at the learner's own last write, which the
+        # index follows, so a remote write elsewhere then costs a rebuild there.
+        # (Before the learner's first write, the shared writer cursor is read instead.)
+        own = last_cursor_row(storage)
+        stale = (
+            not STORAGE_HAS_REVISION
+            and bool(storage._is_full)
+            and own is not None
+            and own != (rb._writer._cursor - 1) % SMALL
+        )
+        assert len(rebuilds) - before == int(over or stale), f"phase {number}"
+        lagging.append(stale)
+    assert lagging == [False] * 2 + [not STORAGE_HAS_REVISION] * 4  # after phase 2's own write
