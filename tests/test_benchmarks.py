@@ -45,6 +45,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter at the repository root (bounded: 120 s)."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -60,14 +72,7 @@ def test_help_does_not_import_torch_and_shows_every_default() -> None:
         "               if m in sys.modules)\n"
         "print('HEAVY', heavy)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _python(code)
     assert done.returncode == 0, done.stderr
     assert "HEAVY []" in done.stdout, done.stdout[-500:]
     text = " ".join(done.stdout.split())  # help lines wrap anywhere
@@ -243,14 +248,7 @@ def test_command_line_refuses_bad_values_before_importing_torch(argv) -> None:
         "    print('EXIT', exit.code)\n"
         "print('TORCH', 'torch' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _python(code)
     assert "EXIT 2" in done.stdout and "TORCH False" in done.stdout, done.stdout + done.stderr
     assert argv[0] in done.stderr and argv[1] in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
