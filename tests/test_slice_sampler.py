@@ -192,7 +192,7 @@ def test_online_updates_read_only_the_new_rows(monkeypatch) -> None:
     rb.extend(episodes.batch(900))
     fast.sample(storage, 8)
     read = record_storage_reads(monkeypatch)
-    monkeypatch.setattr(fast, "_fr_rebuild", lambda *a: pytest.fail("unexpected rebuild"))
+    monkeypatch.setattr(fast._fr_sync, "_rebuild", lambda *a: pytest.fail("unexpected rebuild"))
     for n in (7, 150, 1):
         rb.extend(episodes.batch(n))
         fast.sample(storage, 8)
@@ -217,7 +217,7 @@ def test_wrapped_storage_updates_read_only_the_new_rows_and_match_torchrl(
     rb.extend(episodes.batch(rows - 7))
     fast.sample(storage, 16)
     read = record_storage_reads(monkeypatch)
-    monkeypatch.setattr(fast, "_fr_rebuild", lambda *a: pytest.fail("rebuilt the index"))
+    monkeypatch.setattr(fast._fr_sync, "_rebuild", lambda *a: pytest.fail("rebuilt the index"))
     written, unread, across = rows - 7, 0, 0
     while written < 8 * rows:
         n = rng.randint(1, 40)
@@ -295,7 +295,7 @@ def test_missing_keys_are_clear_errors(change, error, match) -> None:
     bad = SliceSampler(num_slices=3, **change)
     with pytest.raises(error, match=match):
         bad.sample(storage, 6)
-    assert bad._fr_index is None and bad._fr_pending == []
+    assert bad._fr_index is None and bad._fr_sync.pending == []
 
 
 def test_wrong_dtype_or_shape_of_done_flags_is_a_clear_error() -> None:
