@@ -365,7 +365,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         target_seq_length: int | None = None,
         storage: Any,
     ) -> tuple[Any, dict]:
-        """TorchRL's slice indices, in fewer tensor ops for the common case: ``O(batch)``.
+        """TorchRL's slice indices, built by :meth:`_fr_slices` in the common case: ``O(batch)``.
 
         Slices of one length (``int``) in a 1-D storage without ``span``: the same random draw
         (one ``torch.rand`` of ``num_slices``) and the same index, bit for bit; TorchRL's code
