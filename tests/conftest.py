@@ -99,17 +99,17 @@ def _seed() -> None:
 def record_storage_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now on, the number of rows each slice sampler reads from its storage.
 
-    Patches ``fastreplay.SliceSampler._fr_read`` (which the other slice samplers use too) to
+    Patches ``IndexSync._read`` (every slice sampler reads its storage through it) to
     append the row count of every read to the returned list.
     """
-    from fastreplay.samplers.slice import SliceSampler
+    from fastreplay._index_sync import IndexSync
 
     reads: list[int] = []
-    original = SliceSampler._fr_read
+    original = IndexSync._read
 
     def recording(leaves: object, first: int, n: int, *rest: object) -> object:
         reads.append(n)
         return original(leaves, first, n, *rest)
 
-    monkeypatch.setattr(SliceSampler, "_fr_read", staticmethod(recording))
+    monkeypatch.setattr(IndexSync, "_read", staticmethod(recording))
     return reads

@@ -26,7 +26,6 @@ from conftest import (
 )
 from fastreplay import PrioritizedSliceSampler
 from fastreplay._segment_tree import PriorityTrees
-from fastreplay.samplers.prioritized_slice import _slice_steps
 from fastreplay.samplers.slice import SliceSamplerError
 
 PSS = PrioritizedSliceSampler
@@ -346,18 +345,6 @@ def test_concurrent_update_priority_is_never_undone() -> None:
         thread.join()
     assert not errors
     assert (sampler._trees.raw()[:200] == 40.0).all()
-
-
-@pytest.mark.parametrize("ndim", [1, 2])
-@pytest.mark.parametrize("variable", [False, True])
-def test_slice_steps_match_torchrl_s_helper(ndim, variable) -> None:
-    gen = torch.Generator().manual_seed(ndim)
-    starts = torch.randint(0, 11, (9, ndim), generator=gen)
-    seq = torch.randint(1, 6, (9,), generator=gen) if variable else 4
-    sampler = PSS(20, 1.0, 1.0, slice_len=4)
-    expected = sampler._tensor_slices_from_startend(seq, starts, storage_length=11)
-    got = _slice_steps(starts, seq, 11)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected.unbind(-1), strict=True))
 
 
 def test_sample_waits_for_the_sampler_lock() -> None:

@@ -29,6 +29,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
 from conftest import requires_storage_revision, shutdown
+from fastreplay._index_sync import IndexSync
 from fastreplay._torchrl import STORAGE_HAS_REVISION, last_cursor_row
 
 if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - Linux has it
@@ -262,13 +263,13 @@ def test_remote_writes_of_any_size_and_order_reach_the_index_exactly(
     learner's trajectories are TorchRL's, recomputed from the whole storage; the index is
     rebuilt only where the whole capacity was written between two samples."""
     rebuilds: list[int] = []
-    rebuild = fastreplay.SliceSampler._fr_rebuild
+    rebuild = IndexSync._rebuild
 
     def counting(self: Any, *args: Any) -> None:
         rebuilds.append(1)
         rebuild(self, *args)
 
-    monkeypatch.setattr(fastreplay.SliceSampler, "_fr_rebuild", counting)
+    monkeypatch.setattr(IndexSync, "_rebuild", counting)
     rb = fastreplay.TensorDictReplayBuffer(
         storage=LazyMemmapStorage(SMALL, shared_init=True),
         sampler=fastreplay.SliceSampler(slice_len=3, traj_key="episode"),

@@ -28,6 +28,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, Rand
 
 import fastreplay
 from conftest import TORCHRL_EXT, requires_storage_revision, short_flat_batches
+from fastreplay._index_sync import IndexSync
 from fastreplay._torchrl import (
     STORAGE_HAS_REVISION,
     TORCHRL_VERSION,
@@ -292,13 +293,13 @@ def test_remote_writes_are_reported_to_the_learner_sampler() -> None:
 def test_remote_writes_keep_the_index_incremental(monkeypatch: pytest.MonkeyPatch) -> None:
     """After the first index build, reported remote writes never trigger a full rebuild."""
     rebuilds = []
-    rebuild = fastreplay.SliceSampler._fr_rebuild
+    rebuild = IndexSync._rebuild
 
     def counting(self: Any, *args: Any) -> None:
         rebuilds.append(1)
         rebuild(self, *args)
 
-    monkeypatch.setattr(fastreplay.SliceSampler, "_fr_rebuild", counting)
+    monkeypatch.setattr(IndexSync, "_rebuild", counting)
     rb = _recording_rb()
     rb.extend(episode(9, 0))
     rb.sample()

@@ -1,10 +1,14 @@
 """fastreplay's slice-index construction against TorchRL's code, bit for bit.
 
-``SliceSampler`` builds the slice indices itself in the common case (``_get_index``: slices of
-one length, 1-D storage, no ``span``), reads only the keys ``_finalize_index`` needs at the
-sampled rows (TorchRL gathers the whole sample there), and classifies the rows a write reports
-with numpy. Each is checked against TorchRL's own code on the same inputs and seed: memmap and
-in-memory storages, wrap-around, stored ``done``/``terminated``/``is_init`` flags, every
+Every slice sampler builds its slice indices with one builder,
+:func:`fastreplay._slice_indices.slice_index`: checked here against TorchRL's ``_get_index``
+(random slice starts inside trajectories, slices of one or several lengths, 1-D and 2-D
+storages, wrap-around) and ``_tensor_slices_from_startend`` (given slice starts). ``SliceSampler``
+uses it in the common case (``_get_index``: slices of one length, 1-D storage, no ``span``),
+reads only the keys ``_finalize_index`` needs at the sampled rows (TorchRL gathers the whole
+sample there), and its :class:`IndexSync` classifies the rows a write reports with numpy. Each
+is checked against TorchRL's own code on the same inputs and seed: memmap and in-memory
+storages, wrap-around, stored ``done``/``terminated``/``is_init`` flags, every
 ``truncated_key``/``init_key`` setting, and the cases that go to TorchRL's code.
 """
 
@@ -22,6 +26,8 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
 from conftest import short_flat_batches, skip_unless_slice_args
+from fastreplay._index_sync import IndexSync
+from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import SliceSamplerBase
 
 DONE, TERMINATED = ("next", "done"), ("next", "terminated")
@@ -148,8 +154,75 @@ def test_write_reports_are_classified_as_the_reference_does() -> None:
             rows[rng.integers(0, rows.size)] = rng.integers(-1, capacity)
         vectors.append(rows.tolist())
     for rows in vectors:
-        sampler = fastreplay.SliceSampler(num_slices=1, traj_key="traj")
-        sampler._fr_record(torch.tensor(rows))
-        assert sampler._fr_dirty is not _round_robin_reference(rows), rows
-        if not sampler._fr_dirty:
-            assert sampler._fr_pending == [[rows[0], len(rows)]]
+        sync = fastreplay.SliceSampler(num_slices=1, traj_key="traj")._fr_sync
+        assert isinstance(sync, IndexSync)
+        sync.record(torch.tensor(rows))
+        assert sync.dirty is not _round_robin_reference(rows), rows
+        if not sync.dirty:
+            assert sync.pending == [[rows[0], len(rows)]]
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("variable", [False, True], ids=["one-length", "several-lengths"])
+def test_builder_matches_torchrls_get_index(ndim: int, variable: bool) -> None:
+    """Random slices inside trajectories: ``slice_index`` with a draw is ``_get_index``.
+
+    TorchRL's ``_get_index`` (no ``span``) on the same starts, lengths and seed: the same rows
+    and coordinates of every step, slices crossing the storage's end wrapping to row 0.
+    """
+    rows, columns, n = 53, 3, 9
+    storage = LazyTensorStorage(rows * columns if ndim == 2 else rows, ndim=ndim)
+    shape = [rows, columns] if ndim == 2 else [rows]
+    storage.set(
+        torch.arange(rows), TensorDict(traj=torch.zeros(shape, dtype=torch.long), batch_size=shape)
+    )
+    ref = trl.SliceSampler(num_slices=n, traj_key="traj", truncated_key=None)
+    gen = torch.Generator().manual_seed(10 * ndim + variable)
+    wrapped = 0
+    for trial in range(30):
+        seq: int | torch.Tensor = torch.randint(1, 8, (n,), generator=gen) if variable else 5
+        lengths = seq + torch.randint(0, 30, (n,), generator=gen)
+        row = torch.randint(0, rows, (n,), generator=gen)
+        column = torch.randint(0, columns, (n, 1), generator=gen)
+        start_idx = torch.cat([row[:, None], column], 1) if ndim == 2 else row[:, None]
+        ref._rng = torch.Generator().manual_seed(trial)
+        expected, _ = trl.SliceSampler._get_index(
+            ref, lengths, start_idx, start_idx, seq, n, rows, torch.arange(n), storage=storage
+        )
+        draw = torch.rand(n, generator=torch.Generator().manual_seed(trial)).numpy()
+        got, heads = slice_index(
+            row.numpy(),
+            seq if isinstance(seq, int) else seq.numpy(),
+            rows,
+            length=lengths.numpy(),
+            draw=draw,
+            coords=column.numpy() if ndim == 2 else None,
+        )
+        assert len(got) == len(expected) == ndim
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(torch.from_numpy(a), b)
+        counts = torch.full((n,), seq) if isinstance(seq, int) else seq
+        assert heads.tolist() == (counts.cumsum(0) - counts).tolist()
+        wrapped += int((got[0][1:] < got[0][:-1]).any())
+    assert wrapped >= 5  # slices ran across the storage's end
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("variable", [False, True])
+def test_slice_steps_match_torchrl_s_helper(ndim: int, variable: bool) -> None:
+    """Given slice starts (no draw): ``slice_index`` is ``_tensor_slices_from_startend``."""
+    gen = torch.Generator().manual_seed(ndim)
+    starts = torch.randint(0, 11, (9, ndim), generator=gen)
+    seq = torch.randint(1, 6, (9,), generator=gen) if variable else 4
+    sampler = fastreplay.PrioritizedSliceSampler(20, 1.0, 1.0, slice_len=4)
+    expected = sampler._tensor_slices_from_startend(seq, starts, storage_length=11)
+    got, _ = slice_index(
+        starts[:, 0].numpy(),
+        seq if isinstance(seq, int) else seq.numpy(),
+        11,
+        coords=starts[:, 1:].numpy() if ndim > 1 else None,
+    )
+    assert len(got) == ndim
+    assert all(
+        torch.equal(torch.from_numpy(a), b) for a, b in zip(got, expected.unbind(-1), strict=True)
+    )

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
+import fastreplay
 from conftest import (
     record_storage_reads,
     requires_cuda,
@@ -184,6 +185,46 @@ def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
     _assert_same(clone, ref, storage, 8, seed=5)
 
 
+@pytest.mark.parametrize(
+    "cls", ["SliceSampler", "SliceSamplerWithoutReplacement", "PrioritizedSliceSampler"]
+)
+@short_flat_batches
+def test_pickles_of_earlier_versions_load_and_rebuild_the_index(cls) -> None:
+    """A sampler pickled when its index fields (``_fr_index``, ...) lived on the sampler."""
+    klass = getattr(fastreplay, cls)
+    kw = {"num_slices": 2, "traj_key": "traj"}
+    fast = klass(60, 0.7, 0.5, **kw) if cls == "PrioritizedSliceSampler" else klass(**kw)
+    storage = LazyTensorStorage(60)
+    rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=8)
+    rb.extend(Episodes(None, 4, p_end=0.05).batch(50))  # episodes of ~20 steps
+    if cls == "PrioritizedSliceSampler":
+        rb.update_priority(torch.arange(50), torch.rand(50, generator=torch.Generator()))
+    fast.sample(storage, 8)
+    state = fast.__getstate__()
+    state.pop("_fr_sync")
+    state.update(  # what the earlier version's __getstate__ wrote
+        _fr_index=None,
+        _fr_spec=None,
+        _fr_storage=None,
+        _fr_pending=[],
+        _fr_dirty=True,
+        _fr_revision=7,
+        _fr_pending_writes=0,
+        _fr_loaded=False,
+    )
+    old = klass.__new__(klass)
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    moved = {"_fr_index", "_fr_spec", "_fr_storage", "_fr_pending", "_fr_dirty", "_fr_loaded"}
+    assert not moved & set(vars(old)), set(vars(old))
+    assert old._fr_sync.dirty and old._fr_index is None
+    clone = pickle.loads(pickle.dumps(fast))  # today's pickle: the reference
+    for seed in range(3):
+        old._rng, clone._rng = (torch.Generator().manual_seed(seed) for _ in range(2))
+        got, expected = old.sample(storage, 8), clone.sample(storage, 8)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], expected[0], strict=True))
+    assert old._fr_index is not None and not old._fr_sync.dirty
+
+
 def test_online_updates_read_only_the_new_rows(monkeypatch) -> None:
     episodes = Episodes(None, 2)
     storage = LazyTensorStorage(1000)
@@ -192,7 +233,7 @@ def test_online_updates_read_only_the_new_rows(monkeypatch) -> None:
     rb.extend(episodes.batch(900))
     fast.sample(storage, 8)
     read = record_storage_reads(monkeypatch)
-    monkeypatch.setattr(fast, "_fr_rebuild", lambda *a: pytest.fail("unexpected rebuild"))
+    monkeypatch.setattr(fast._fr_sync, "_rebuild", lambda *a: pytest.fail("unexpected rebuild"))
     for n in (7, 150, 1):
         rb.extend(episodes.batch(n))
         fast.sample(storage, 8)
@@ -217,7 +258,7 @@ def test_wrapped_storage_updates_read_only_the_new_rows_and_match_torchrl(
     rb.extend(episodes.batch(rows - 7))
     fast.sample(storage, 16)
     read = record_storage_reads(monkeypatch)
-    monkeypatch.setattr(fast, "_fr_rebuild", lambda *a: pytest.fail("rebuilt the index"))
+    monkeypatch.setattr(fast._fr_sync, "_rebuild", lambda *a: pytest.fail("rebuilt the index"))
     written, unread, across = rows - 7, 0, 0
     while written < 8 * rows:
         n = rng.randint(1, 40)
@@ -295,7 +336,7 @@ def test_missing_keys_are_clear_errors(change, error, match) -> None:
     bad = SliceSampler(num_slices=3, **change)
     with pytest.raises(error, match=match):
         bad.sample(storage, 6)
-    assert bad._fr_index is None and bad._fr_pending == []
+    assert bad._fr_index is None and bad._fr_sync.pending == []
 
 
 def test_wrong_dtype_or_shape_of_done_flags_is_a_clear_error() -> None:

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
+from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     PRIORITIZED_SLICE_ARGS,
     STATIC_BOUNDARIES,
@@ -156,8 +158,12 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
             self.span = (0, self.span[1])
         self.num_slices = _check_count("num_slices", self.num_slices)
         self.slice_len = _check_count("slice_len", self.slice_len)
-        self._fr_init_state()  # the trajectory index, told about every write
+        self._fr_sync = IndexSync()  # storage -> trajectory index, told about every write
         self._fr_static: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        IndexSync.upgrade(state)  # pickled by an earlier version: the index fields, moved
+        PrioritizedSampler.__setstate__(self, state)
 
     def __repr__(self) -> str:
         return (
@@ -171,13 +177,13 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor | tuple) -> None:
         """Record the written rows in the trajectory index (``O(items written)``)."""
-        self._fr_record(index)
+        self._fr_sync.record(index)
         if self.cache_values:
             self._cache.pop("preceding_stop_idx", None)
 
     def add(self, index: int | torch.Tensor) -> None:
         """Record the written row in the trajectory index."""
-        self._fr_record(index)
+        self._fr_sync.record(index)
         if self.cache_values:
             self._cache.pop("preceding_stop_idx", None)
 
@@ -219,7 +225,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                 self._fr_static = (table_pos, table_len)
             table_pos, table_len = (t.numpy() for t in self._fr_static)
             return lambda r, c: (table_pos[r], table_len[r])
-        index = self._fr_sync(storage)
+        index = self._fr_sync.sync(storage, self)
         if self.strict_length and not int(index.counts(k + 1).sum()):
             lengths = index.boundaries()[2]
             raise SliceSamplerError(
@@ -322,17 +328,16 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         slot_t = torch.from_numpy(slot)
         weight = torch.pow(self._trees.mass(slot_t.to(self.device)).cpu() / m_min, -self._beta)
         weight = weight.to(self.dtype)
-        row = slot_t // columns
-        if storage.ndim > 1:
-            starts = torch.cat(
-                [row[:, None], SliceSampler._fr_coords(storage, slot_t % columns)], 1
-            )
-        else:
-            starts = row[:, None]
         seq: int | torch.Tensor = seq_length
         if span_right or not self.strict_length:
             seq = torch.from_numpy(left).clamp_max(seq_length)
-        index = _slice_steps(starts, seq, int(storage.shape[0]))
+        steps, _ = slice_index(
+            slot // columns,
+            seq if isinstance(seq, int) else seq.numpy(),
+            int(storage.shape[0]),
+            coords=self._fr_sync.coords(storage, slot % columns) if storage.ndim > 1 else None,
+        )
+        index = tuple(torch.from_numpy(a) for a in steps)
         info: dict[Any, Any] = {"priority_weight": torch.repeat_interleave(weight, seq)}
         if self.truncated_key is not None:
             info.update(self._fr_flags(storage, index, num_slices, seq))
@@ -358,22 +363,3 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                 torch.zeros_like(truncated) if terminated is None else terminated[index]
             ),
         }
-
-
-def _slice_steps(starts: torch.Tensor, seq: int | torch.Tensor, rows: int) -> tuple:
-    """Every step of the slices from ``starts`` (``[n, ndim]``), ``seq`` steps each.
-
-    TorchRL's ``_tensor_slices_from_startend`` output unbound per dim, without its Python loop
-    over slices when lengths differ. ``O(steps)``.
-    """
-    n = starts.shape[0]
-    if isinstance(seq, int):
-        offset = torch.arange(seq).repeat(n)
-        row = starts[:, 0].repeat_interleave(seq) + offset
-    else:
-        first = torch.cumsum(seq, 0) - seq
-        offset = torch.arange(int(seq.sum())) - first.repeat_interleave(seq)
-        row = starts[:, 0].repeat_interleave(seq) + offset
-    rest = starts[:, 1:].repeat_interleave(seq, 0) if starts.shape[1] > 1 else None
-    row = row % rows
-    return (row,) if rest is None else (row, *rest.unbind(-1))

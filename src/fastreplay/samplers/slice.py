@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import inspect
 import operator
-import weakref
 from typing import Any
 
-import numpy as np
 import torch
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 
+from fastreplay._index_sync import IndexSync
 from fastreplay._signature import constructor_signature
+from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
+from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
-    RoundRobinWriter,
     SliceSamplerBase,
     TensorStorage,
-    last_cursor_row,
-    mutation_revision,
     pads_short_slices,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
@@ -33,21 +31,6 @@ __all__ = [
     "SliceSamplerError",
     "without_replacement_class",
 ]
-
-_READ_CHUNK = 1 << 24  # rows read at once when rebuilding from the whole storage
-
-
-class _KeyProbe:
-    """``key in probe``: O(1) membership test on a TensorDict; lists the keys for messages."""
-
-    def __init__(self, data: Any) -> None:
-        self.data = data
-
-    def __contains__(self, key: Any) -> bool:
-        return self.data.get(key, default=None) is not None
-
-    def __iter__(self) -> Any:
-        return iter(self.data.keys(include_nested=True, leaves_only=True))
 
 
 class _SignalRows:
@@ -74,25 +57,6 @@ class _SignalRows:
         if not storage._is_full:  # as TensorStorage.get: the stored rows only
             leaf = leaf[: storage._len_along_dim0]
         return leaf[self.index]
-
-
-class MissingKeyError(KeyError, RuntimeError):
-    """A boundary key is missing from the storage.
-
-    TorchRL raises ``RuntimeError`` or ``KeyError`` here depending on the key arguments; this
-    class is both, so either handler catches it (``str`` shows the message unquoted).
-    """
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-class SliceSamplerError(ValueError, RuntimeError):
-    """Bad sampling request or setting; a ``ValueError`` that ``RuntimeError`` handlers catch."""
-
-
-class SignalTypeError(TypeError, NotImplementedError):
-    """Done flags of a floating-point dtype (TorchRL raises ``NotImplementedError``)."""
 
 
 def without_replacement_class() -> type:
@@ -173,7 +137,9 @@ class _BoundaryKey:
     def __set__(self, instance: Any, value: Any) -> None:
         state = instance.__dict__
         if self.name in state and not _same_key(state[self.name], value):
-            state["_fr_dirty"] = True
+            sync = state.get("_fr_sync")
+            if sync is not None:
+                sync.invalidate()
         state[self.name] = value
 
 
@@ -285,18 +251,12 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             self.fragmented = True
         self.num_slices = _check_count("num_slices", self.num_slices)
         self.slice_len = _check_count("slice_len", self.slice_len)
-        self._fr_init_state()
+        self._fr_sync = IndexSync()  # storage -> trajectory index
 
-    def _fr_init_state(self) -> None:
-        """The index state; subclasses that run TorchRL's ``__init__`` directly call it too."""
-        self._fr_index: TrajectoryIndex | None = None
-        self._fr_spec: tuple | None = None
-        self._fr_storage: weakref.ref | None = None  # identity that a new storage cannot reuse
-        self._fr_revision = 0
-        self._fr_pending: list[list[int]] = []  # [first_row, n_rows] runs not yet indexed
-        self._fr_pending_writes = 0
-        self._fr_dirty = False
-        self._fr_loaded = False  # a checkpoint was loaded: the storage's cursor may be stale
+    @property
+    def _fr_index(self) -> TrajectoryIndex | None:
+        """The trajectory index (``None`` until the first ``sample``), for inspection."""
+        return self._fr_sync.index
 
     def invalidate_boundaries(self) -> None:
         """Rebuild the trajectory boundaries from the storage at the next ``sample``.
@@ -307,63 +267,41 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         buffer or the storage (``extend``, ``add``, ``rb[idx] = ...``) need no call.
         The rebuild costs one ``O(items stored)`` read of the boundary keys.
         """
-        self._fr_dirty = True
+        self._fr_sync.invalidate()
 
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor) -> None:
         """Record the rows the writer just wrote (``O(items written)``)."""
         super().extend(index)
-        self._fr_record(index)
+        self._fr_sync.record(index)
 
     def add(self, index: int | torch.Tensor) -> None:
         """Record the row the writer just wrote."""
         super().add(index)
-        self._fr_record(index)
-
-    def _fr_record(self, index: int | torch.Tensor) -> None:
-        self._fr_pending_writes += 1
-        self._fr_loaded = False  # the storage's cursor is current again
-        if self._fr_dirty:
-            return
-        rows = torch.as_tensor(index).reshape(-1) if not torch.is_tensor(index) else index
-        rows = rows.cpu()
-        if rows.ndim == 2:  # [n * columns, ndim] for ndim > 1 storages: keep the time rows
-            rows = torch.unique_consecutive(rows[:, 0])
-        rows = rows.reshape(-1).numpy()  # numpy: a few microseconds per op, under the lock
-        if not rows.size:
-            return
-        # A round-robin write: consecutive rows, wrapping at most once to row 0.
-        step = np.diff(rows.astype(np.int64, copy=False))
-        breaks = np.flatnonzero(step != 1)
-        if breaks.size > 1 or (breaks.size and (rows[breaks[0] + 1] != 0 or step[breaks[0]] >= 0)):
-            self._fr_dirty = True  # not a round-robin write: rebuild at the next sample
-            return
-        first, n = int(rows[0]), int(rows.size)
-        last = self._fr_pending[-1] if self._fr_pending else None
-        if last is not None and last[0] + last[1] == first:
-            last[1] += n
-        else:
-            self._fr_pending.append([first, n])
+        self._fr_sync.record(index)
 
     def _empty(self) -> None:
         super()._empty()
-        self._fr_dirty = True
+        self._fr_sync.invalidate()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load TorchRL's (empty) state; the index is rebuilt at the next sample."""
         super().load_state_dict(state_dict)
-        self._fr_dirty = self._fr_loaded = True
+        self._fr_sync.invalidate(loaded=True)
 
     def loads(self, path: Any) -> None:
         """Load from ``path`` as TorchRL does; the index is rebuilt at the next sample."""
         super().loads(path)
-        self._fr_dirty = self._fr_loaded = True
+        self._fr_sync.invalidate(loaded=True)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_fr_index=None, _fr_spec=None, _fr_storage=None, _fr_pending=[])
-        state["_fr_dirty"] = True
+        state["_fr_sync"] = self._fr_sync.detached()  # a copy rebuilds from its storage
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        IndexSync.upgrade(state)  # pickled by an earlier version: the index fields, moved
+        self.__dict__.update(state)
 
     # ----------------------------------------------------------------------- the index
     def _fr_fast(self, storage: Any) -> bool:
@@ -372,208 +310,9 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             return False
         if not isinstance(storage, TensorStorage):
             return False  # ListStorage, LazyStackStorage, ...: TorchRL's path and errors
-        self._fr_attach(storage)
+        IndexSync.attach(storage)
         data = getattr(storage, "_storage", None)
         return data is None or is_tensor_collection(data)
-
-    @staticmethod
-    def _fr_attach(storage: Any) -> None:
-        """Attach to a shared memmap that other processes initialised, as ``storage.get()`` does.
-
-        ``LazyMemmapStorage(shared_init=True)`` filled by worker processes has no ``_storage``
-        in this process until it attaches. O(1) once attached.
-        """
-        if (
-            not getattr(storage, "initialized", True)
-            and getattr(storage, "shared_init", False)
-            and len(storage)
-        ):
-            storage._wait_for_init()
-
-    def _fr_signal_keys(self, storage: Any) -> tuple[str, tuple]:
-        """(mode, keys) resolved exactly as TorchRL resolves them, fallbacks included.
-
-        TorchRL tries ``traj_key`` then falls back to ``end_key``/``end_keys`` (or the other
-        way round), remembering the outcome; the same attributes change the same way here.
-        """
-        keys = _KeyProbe(storage._storage)
-        tried: list[str] = []  # "name=value" of every key argument looked up, in order
-        for fallback in (True, False):
-            if getattr(self, "_traj_key_auto", False):
-                self._resolve_traj_key(storage)
-                if not self._fetch_traj:
-                    tried.append("traj_key=None (looked for ('collector', 'traj_ids'), 'episode')")
-            if self._fetch_traj:
-                if self._used_traj_key in keys:
-                    return "ids", (self._used_traj_key,)
-                tried.append(f"traj_key={self._used_traj_key!r}")
-                if fallback:
-                    self._fetch_traj = False
-                    continue
-                break
-            if self.end_keys is None:
-                if self.end_key in keys:
-                    return "done", (self.end_key,)
-                tried.append(f"end_key={self.end_key!r}")
-                break  # TorchRL does not fall back from a missing end_key
-            present = tuple(k for k in self.end_keys if k in keys)
-            if present:
-                return "done", present
-            tried.append(f"end_keys={self.end_keys!r}")
-            if fallback:
-                self._fetch_traj = True
-                if self.traj_key is None:
-                    self._traj_key_auto = True
-                continue
-            break
-        tried = list(dict.fromkeys(tried))
-        raise MissingKeyError(
-            f"{tried[0]} is not in the storage{''.join(', nor is ' + t for t in tried[1:])} "
-            f"(keys: {sorted(map(str, keys))}); pass the key holding trajectory ids "
-            "(traj_key=...) or done flags (end_key=... or end_keys=[...])."
-        )
-
-    def _fr_leaves(self, storage: Any, mode: str, keys: tuple) -> list[torch.Tensor]:
-        """The full signal tensors as ``[rows, columns]``, validated before any state changes."""
-        data, ndim = storage._storage, storage.ndim
-        shape = tuple(data.shape[:ndim])
-        leaves = []
-        for key in keys:
-            leaf = data.get(key)
-            if mode == "done" and (leaf.is_floating_point() or leaf.is_complex()):
-                raise SignalTypeError(
-                    f"end_key={key!r} holds {leaf.dtype} values; done flags must be booleans "
-                    "or integers: store them as torch.bool (e.g. done.bool())."
-                )
-            if mode == "ids" and tuple(leaf.shape) != shape:  # TorchRL squeezes flags only
-                raise SliceSamplerError(
-                    f"traj_key={key!r} has shape {tuple(leaf.shape)}; expected {shape} (one id "
-                    f"per stored step): store the ids without trailing dims (ids.reshape{shape})."
-                )
-            if tuple(leaf.shape[:ndim]) != shape or leaf.shape[ndim:].numel() != 1:
-                raise SliceSamplerError(
-                    f"end_key={key!r} has shape {tuple(leaf.shape)}; expected {shape}, optionally "
-                    f"followed by dims of size 1 (e.g. {(*shape, 1)}): store one flag per step."
-                )
-            leaves.append(leaf.reshape(leaf.shape[0], -1))
-        return leaves
-
-    @staticmethod
-    def _fr_read(
-        leaves: list[torch.Tensor], first: int, n: int, rows: int, mode: str
-    ) -> np.ndarray:
-        """Rows ``first .. first + n`` (wrapping) of the signal, on the CPU: ``O(n)``.
-
-        Done flags of any integer dtype count where they are non-zero, as in TorchRL; several
-        end keys are OR-ed.
-        """
-        idx = (first + torch.arange(n)) % rows if first + n > rows else slice(first, first + n)
-        if mode == "ids":
-            return leaves[0][idx].cpu().numpy()
-        out = None
-        for leaf in leaves:
-            flags = leaf[idx]
-            flags = flags if flags.dtype == torch.bool else flags != 0
-            out = flags if out is None else out | flags
-        return out.cpu().numpy()
-
-    def _fr_sync(self, storage: Any) -> TrajectoryIndex:
-        """Bring the index up to date with ``storage``.
-
-        ``O(items written since the last call)``, or one ``O(items stored)`` rebuild after
-        unreported writes.
-        """
-        index = self._fr_index
-        same_storage = self._fr_storage is not None and self._fr_storage() is storage
-        if (
-            index is not None
-            and same_storage
-            and not self._fr_pending_writes
-            and not self._fr_dirty
-            and mutation_revision(storage, self._fr_revision) == self._fr_revision
-        ):
-            return index  # nothing written since the last sync: O(1)
-        self._fr_attach(storage)
-        mode, keys = self._fr_signal_keys(storage)
-        leaves = self._fr_leaves(storage, mode, keys)
-        rows = int(storage._storage.shape[0])
-        spec = (mode, keys, rows, leaves[0].shape[1], leaves[0].device)
-        revision = mutation_revision(storage, self._fr_revision + self._fr_pending_writes)
-        index, base = self._fr_index, self._fr_revision
-        if index is None or spec != self._fr_spec or not same_storage:
-            # A storage is created at revision 0: a sampler attached from the start has been
-            # told about every write since. Otherwise the baseline is unknown: rebuild.
-            base = 0 if self._fr_spec is None else None
-            index = TrajectoryIndex(rows, leaves[0].shape[1], mode)
-        incremental = (
-            not self._fr_dirty
-            and base is not None
-            and revision == base + self._fr_pending_writes
-            and sum(n for _, n in self._fr_pending) < rows
-        )
-        try:
-            if incremental:
-                try:
-                    for first, n in self._fr_pending:
-                        self._fr_write_run(index, leaves, first, n, rows)
-                except ValueError:  # a run did not follow the cursor: not a round-robin write
-                    incremental = False
-            if not (incremental and self._fr_matches(index, storage)):
-                self._fr_rebuild(index, storage, leaves, rows)
-        except BaseException:
-            self._fr_index, self._fr_dirty = None, True
-            raise
-        self._fr_index, self._fr_spec, self._fr_revision = index, spec, revision
-        self._fr_storage = weakref.ref(storage)
-        self._fr_pending, self._fr_pending_writes, self._fr_dirty = [], 0, False
-        return index
-
-    def _fr_last_row(self, storage: Any) -> int | None:
-        """Last written row of a full storage, or ``None`` (then: the last row).
-
-        The storage records it on every write, but a checkpoint does not carry it: after
-        ``load_state_dict``/``loads`` the round-robin writer's restored cursor says where the
-        newest item is (TorchRL then treats the end of the storage as the newest item).
-        """
-        cursor = last_cursor_row(storage)
-        if cursor is not None and not self._fr_loaded:
-            return cursor
-        rows = int(storage._storage.shape[0])
-        writers = {
-            int(writer._cursor)
-            for buffer in getattr(storage, "_attached_entities", ())
-            for writer in (getattr(buffer, "_writer", None),)
-            if isinstance(writer, RoundRobinWriter)
-        }
-        if len(writers) == 1:
-            return (writers.pop() - 1) % rows
-        return cursor
-
-    def _fr_matches(self, index: TrajectoryIndex, storage: Any) -> bool:
-        full = bool(storage._is_full)
-        if full != (index.size == index.rows) or index.size != (storage._len_along_dim0 or 0):
-            return False
-        cursor = self._fr_last_row(storage) if full else None
-        return not full or cursor is None or cursor == index.cursor
-
-    def _fr_write_run(
-        self, index: TrajectoryIndex, leaves: list[torch.Tensor], first: int, n: int, rows: int
-    ) -> None:
-        """Index ``n`` rows written from row ``first`` (wrapping), reading them in chunks."""
-        for offset in range(0, n, _READ_CHUNK):
-            row = (first + offset) % rows
-            chunk = self._fr_read(leaves, row, min(_READ_CHUNK, n - offset), rows, index.mode)
-            index.write(row, chunk)
-
-    def _fr_rebuild(
-        self, index: TrajectoryIndex, storage: Any, leaves: list[torch.Tensor], rows: int
-    ) -> None:
-        index.reset()
-        first = 0
-        if storage._is_full:
-            cursor = self._fr_last_row(storage)
-            first = (cursor + 1) % rows if cursor is not None else 0
-        self._fr_write_run(index, leaves, first, storage._len_along_dim0 or 0, rows)
 
     # ------------------------------------------------------------------------ sampling
     def _fr_batch(self, batch_size: int) -> tuple[int, int]:
@@ -604,30 +343,14 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
         if not self._fr_fast(storage) or len(storage) == 0:
             return super()._get_stop_and_length(storage, fallback)
-        index = self._fr_sync(storage)
-        device = self._fr_spec[-1]
-        start, stop, length, col = (torch.from_numpy(a) for a in index.boundaries())
+        sync = self._fr_sync
+        start, stop, length, col = sync.sync(storage, self).boundaries()
+        device = sync.device
         return (
-            self._fr_with_coords(storage, start, col).to(device),
-            self._fr_with_coords(storage, stop, col).to(device),
-            length.to(device),
+            sync.with_coords(storage, start, col).to(device),
+            sync.with_coords(storage, stop, col).to(device),
+            torch.from_numpy(length).to(device),
         )
-
-    @classmethod
-    def _fr_with_coords(cls, storage: Any, rows: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        """``[n, storage.ndim]`` indices: the time row, then the column's coordinates."""
-        if storage.ndim == 1:
-            return rows[:, None]
-        return torch.cat([rows[:, None], cls._fr_coords(storage, col)], 1)
-
-    @staticmethod
-    def _fr_coords(storage: Any, col: torch.Tensor) -> torch.Tensor:
-        shape = tuple(storage._storage.shape[1 : storage.ndim])
-        coords = torch.empty((col.shape[0], len(shape)), dtype=torch.long)
-        for d in range(len(shape) - 1, -1, -1):
-            coords[:, d] = col % shape[d]
-            col = col // shape[d]
-        return coords
 
     def _get_index(
         self,
@@ -642,7 +365,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         target_seq_length: int | None = None,
         storage: Any,
     ) -> tuple[Any, dict]:
-        """TorchRL's slice indices, in fewer tensor ops for the common case: ``O(batch)``.
+        """TorchRL's slice indices, built by :meth:`_fr_slices` in the common case: ``O(batch)``.
 
         Slices of one length (``int``) in a 1-D storage without ``span``: the same random draw
         (one ``torch.rand`` of ``num_slices``) and the same index, bit for bit; TorchRL's code
@@ -668,14 +391,30 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
                 target_seq_length=target_seq_length,
                 storage=storage,
             )
-        draw = torch.rand(num_slices, device=lengths.device, generator=self._rng)
-        relative = (draw * (lengths[traj_idx] - seq_length + 1)).floor().to(start_idx.dtype)
-        steps = torch.arange(seq_length, device=start_idx.device, dtype=start_idx.dtype)
-        index = (start_idx[traj_idx, 0] + relative)[:, None] + steps
+        return self._fr_slices(
+            storage,
+            start_idx[traj_idx, 0].cpu().numpy(),
+            lengths[traj_idx].cpu().numpy(),
+            seq_length,
+            storage_length,
+            lengths.device,
+        )
+
+    def _fr_slices(
+        self, storage: Any, start: Any, length: Any, seq: int, rows: int, device: Any
+    ) -> tuple[Any, dict]:
+        """One random slice of ``seq`` steps in each trajectory ``(start, length)``: ``O(batch)``.
+
+        TorchRL's ``_get_index`` without ``span`` in a 1-D storage: the same draw (one
+        ``torch.rand`` per slice, on ``device``) and the same index, built by
+        :func:`fastreplay._slice_indices.slice_index`; the info is ``_finalize_index``'s.
+        """
+        draw = torch.rand(start.shape[0], device=device, generator=self._rng)
+        (steps,), _ = slice_index(start, seq, rows, length=length, draw=draw.cpu().numpy())
         return self._finalize_index(
-            index=index.reshape(-1, 1) % storage_length,
-            num_slices=num_slices,
-            seq_length=seq_length,
+            index=torch.from_numpy(steps)[:, None].to(device),
+            num_slices=start.shape[0],
+            seq_length=seq,
             target_seq_length=None,
             mask_flat=None,
             storage=storage,
@@ -705,8 +444,9 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )
-        index = self._fr_sync(storage)
-        device = self._fr_spec[-1]
+        sync = self._fr_sync
+        index = sync.sync(storage, self)
+        device = sync.device
         n_all = int(index.counts(1).sum())
         n_long = int(index.counts(seq_length).sum())
         any_short = n_long < n_all
@@ -724,18 +464,20 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             generator=self._rng,
             device=device,  # TorchRL draws on the storage's device: same numbers
         )
-        start, length, col = (
-            torch.from_numpy(a) for a in index.select(ranks.cpu().numpy(), min_length)
-        )
-        start_idx = self._fr_with_coords(storage, start, col).to(device)
-        length = length.to(device)
+        start, length, col = index.select(ranks.cpu().numpy(), min_length)
+        if storage.ndim == 1 and not (any_short and not self.strict_length) and not any(self.span):
+            result = self._fr_slices(storage, start, length, seq_length, storage.shape[0], device)
+            self._warn_if_short_batch(result[0], batch_size)  # as TorchRL's ``sample`` (nightly)
+            return result
+        start_idx = sync.with_coords(storage, start, col).to(device)
+        lengths = torch.from_numpy(length).to(device)
         target = None
         seq: int | torch.Tensor = seq_length
         if any_short and not self.strict_length:
-            seq = length.clamp_max(seq_length)
+            seq = lengths.clamp_max(seq_length)
             target = seq_length if pads_short_slices(self) else None
         result = self._get_index(
-            lengths=length,
+            lengths=lengths,
             start_idx=start_idx,
             stop_idx=start_idx,
             seq_length=seq,

@@ -17,7 +17,9 @@ import torch
 from tensordict.utils import NestedKey
 
 from fastreplay._epoch_permutation import EpochPermutation
+from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
+from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
@@ -93,7 +95,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         TorchRLSliceSamplerWithoutReplacement.__init__(self, **kwargs)
         self.num_slices = _check_count("num_slices", self.num_slices)
         self.slice_len = _check_count("slice_len", self.slice_len)
-        self._fr_init_state()
+        self._fr_sync = IndexSync()  # storage -> trajectory index
         # Static boundaries are a constructor argument: TorchRL's path serves them for good.
         self._fr_static = STATIC_BOUNDARIES in self._cache
         self._fr_perm = EpochPermutation()
@@ -137,7 +139,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )
-        index = self._fr_sync(storage)
+        index = self._fr_sync.sync(storage, self)
         n_all = int(index.counts(1).sum())
         n_long = int(index.counts(seq_length).sum())
         if self.strict_length and not n_long:
@@ -169,9 +171,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             result = self._fr_slices_at(storage, start, length, col, seq)
             self._warn_if_short_batch(result[0], batch_size)  # as TorchRL's ``sample`` (nightly)
             return result
-        start_idx = SliceSampler._fr_with_coords(
-            storage, torch.from_numpy(start), torch.from_numpy(col)
-        )
+        start_idx = self._fr_sync.with_coords(storage, start, col)
         result = super()._get_index(
             lengths=torch.from_numpy(length),
             start_idx=start_idx,
@@ -196,29 +196,22 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
     ) -> tuple[tuple[torch.Tensor, ...], dict[Any, Any]]:
         """One slice of ``seq`` steps in each trajectory ``(start, length, col)``: ``O(batch)``.
 
-        TorchRL's ``_get_index`` (the same random numbers, the same outputs), on numpy. Only
-        the flags' and markers' keys are gathered from the storage, where TorchRL gathers every
-        stored key of the sampled steps (``storage[index]``) to read two or three.
+        TorchRL's ``_get_index`` (the same random numbers, the same outputs), built by
+        :func:`fastreplay._slice_indices.slice_index`. Only the flags' and markers' keys are
+        gathered from the storage, where TorchRL gathers every stored key of the sampled steps
+        (``storage[index]``) to read two or three.
         """
-        n = start.size
-        draw = torch.rand(n, generator=self._rng).numpy()
-        seqs = seq if isinstance(seq, int) else seq.numpy()
-        # float32 products, as TorchRL's ``rand * (lengths - seq + 1)``.
-        first = start + np.floor(draw * (length - seqs + 1).astype(np.float32)).astype(np.int64)
-        if isinstance(seq, int):
-            steps = (first[:, None] + np.arange(seq)).reshape(-1)
-            heads = np.arange(0, n * seq, seq)
-        else:
-            heads = np.cumsum(seqs) - seqs
-            steps = np.repeat(first - heads, seqs) + np.arange(int(seqs.sum()))
-        rows = storage._storage.shape[0]
-        if n and int(first.max()) + int(np.max(seqs)) > rows:  # slices running past the end
-            steps %= rows
-        index: tuple[torch.Tensor, ...] = (torch.from_numpy(steps),)
-        if storage.ndim > 1:
-            coords = SliceSampler._fr_coords(storage, torch.from_numpy(col))
-            index += tuple(coords.repeat_interleave(torch.as_tensor(seqs), 0).unbind(-1))
-        return index, self._fr_info(index, heads, steps.size, storage)
+        draw = torch.rand(start.size, generator=self._rng).numpy()
+        steps, heads = slice_index(
+            start,
+            seq if isinstance(seq, int) else seq.numpy(),
+            storage._storage.shape[0],
+            length=length,
+            draw=draw,
+            coords=self._fr_sync.coords(storage, col) if storage.ndim > 1 else None,
+        )
+        index = tuple(torch.from_numpy(a) for a in steps)
+        return index, self._fr_info(index, heads, steps[0].size, storage)
 
     def _fr_info(
         self, index: tuple, heads: np.ndarray, steps: int, storage: Storage
@@ -261,10 +254,10 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         ``truncated`` is set: ``leaf[index] | truncated`` is ``truncated``, with no gather from
         the storage (a cache miss per slice in a large buffer).
         """
-        mode, keys = self._fr_spec[:2]
+        sync = self._fr_sync
         return (
-            mode == "done"
-            and key in keys
+            sync.mode == "done"
+            and key in sync.keys
             and len(index) == 1
             and leaf.dtype == torch.bool
             and leaf.shape[1:] == (1,)
