@@ -289,8 +289,14 @@ class FastPathMixin:
             and state.get("_sync", True)
             and state.get("_dim_extend") == 0
         ):
-            with self._replay_lock, self._write_lock:
-                self._sampler.update_priority(index, priority, storage=self._storage)
+            with self._replay_lock:
+                # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
+                write_lock = self._write_lock
+                if type(write_lock) is contextlib.nullcontext:  # (its enter/exit: Python calls)
+                    self._sampler.update_priority(index, priority, storage=self._storage)
+                else:
+                    with write_lock:
+                        self._sampler.update_priority(index, priority, storage=self._storage)
             return
         super().update_priority(index, priority)  # type: ignore[misc]
 
@@ -320,30 +326,41 @@ class FastPathMixin:
             and not self._warned_batch_size_conflict
         ):
             return None  # TorchRL's warning
+        with self._replay_lock:
+            # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
+            write_lock = self._write_lock
+            if type(write_lock) is contextlib.nullcontext:  # (its enter/exit: Python calls)
+                return self._fr_locked_sample(storage, batch_size)
+            with write_lock:
+                return self._fr_locked_sample(storage, batch_size)
+
+    def _fr_locked_sample(
+        self, storage: TensorStorage, batch_size: int
+    ) -> tuple[Any, dict, bool] | None:
+        """:meth:`_fr_fast_sample` once the checks passed and the buffer's locks are held."""
         sampler = self._sampler
-        with self._replay_lock, self._write_lock:
-            plan = _fast_io.gather_plan(storage._storage)
-            if plan is None:
-                return None
-            index, info = sampler.sample(storage, batch_size)
-            info["index"] = index
-            # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
-            rows = index[0] if type(index) is tuple and len(index) == 1 else index
-            length = storage.__dict__.get("_len_value")
-            if not (
-                type(rows) is torch.Tensor
-                and rows.dtype in _ROW_DTYPES
-                and rows.ndim == 1
-                and rows.is_cpu
-                and length is not None
-            ):
-                return self._fr_general_get(storage, index), info, False
-            extra = info
-            if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
-                extra = {**info, "index": torch.stack(index, -1)}
-            data, written = _fast_io.gather_rows(
-                plan, rows, length.value, extra, _run_length(sampler, batch_size)
-            )
+        plan = _fast_io.gather_plan(storage._storage)
+        if plan is None:
+            return None
+        index, info = sampler.sample(storage, batch_size)
+        info["index"] = index
+        # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
+        rows = index[0] if type(index) is tuple and len(index) == 1 else index
+        length = storage.__dict__.get("_len_value")
+        if not (
+            type(rows) is torch.Tensor
+            and rows.dtype in _ROW_DTYPES
+            and rows.ndim == 1
+            and rows.is_cpu
+            and length is not None
+        ):
+            return self._fr_general_get(storage, index), info, False
+        extra = info
+        if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
+            extra = {**info, "index": torch.stack(index, -1)}
+        data, written = _fast_io.gather_rows(
+            plan, rows, length.value, extra, _run_length(sampler, batch_size)
+        )
         return data, info, written
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
