@@ -270,6 +270,109 @@ def test_gather_plan_refuses_non_tensor_leaves_and_names() -> None:
     assert _fast_io.gather_plan(named) is None
 
 
+# --------------------------------------------------------------------------- flat storages
+
+
+def flat_store(capacity: int = 7) -> TensorDict:
+    """One level, no dimension after the first: the storage the flat gather lane reads."""
+    gen = torch.Generator().manual_seed(capacity)
+    return TensorDict(
+        {
+            "obs": torch.randn(capacity, 3, generator=gen),
+            "index": torch.arange(capacity),
+            "r": torch.randn(capacity, generator=gen),
+            "img": torch.randn(capacity, 2, 1, 2, generator=gen),
+        },
+        batch_size=[capacity],
+    )
+
+
+def test_gather_plan_marks_flat_storages() -> None:
+    assert _fast_io.gather_plan(flat_store())[3]
+    assert not _fast_io.gather_plan(store())[3]  # nested levels
+    batched = TensorDict({"obs": torch.zeros(7, 2, 3)}, batch_size=[7, 2])
+    assert not _fast_io.gather_plan(batched)[3]  # a dimension after the first
+
+
+@pytest.mark.parametrize("stored", [7, 4])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        None,
+        {},
+        {"priority_weight": "weight", "index": "index"},
+        {"r": "weight", "w2": "wide"},
+        {("r",): "weight", ("w",): "wide"},
+    ],
+    ids=["none", "empty", "new and stored keys", "stored key first", "tuple keys"],
+)
+def test_flat_gather_matches_getitem_then_set(stored: int, extra: dict | None) -> None:
+    data, index = flat_store(), torch.tensor([3, 0, 3, stored - 1, 1])
+    values = {"weight": torch.rand(5), "index": index, "wide": torch.rand(5, 2)}
+    extra = None if extra is None else {key: values[name] for key, name in extra.items()}
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(data), index, stored, extra)
+    theirs = data[:stored][index]
+    for key, value in (extra or {}).items():
+        theirs.set(key, value)
+    assert complete
+    assert_same(ours, theirs)  # stored keys keep their place, new ones come last
+    for key, value in (extra or {}).items():
+        assert ours.get(key) is value
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {("other", "x"): torch.zeros(3)},
+        {("obs", "x"): torch.zeros(3)},
+        {"w": torch.zeros(2)},
+        {"w": torch.zeros(())},
+        {"w": [1.0, 2.0, 3.0]},
+        {"w": torch.zeros(3), 1: torch.zeros(3)},
+    ],
+    ids=["new level", "under a leaf", "batch", "scalar", "not a tensor", "key"],
+)
+def test_flat_gather_leaves_metadata_that_does_not_fit_to_the_caller(extra: dict) -> None:
+    data = flat_store()
+    ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(data), torch.arange(3), 7, extra)
+    assert not complete
+    assert_same(ours, data[torch.arange(3)])  # none of it set
+
+
+def test_flat_gather_refuses_rows_past_the_filled_part() -> None:
+    with pytest.raises(IndexError):
+        _fast_io.gather_rows(_fast_io.gather_plan(flat_store()), torch.tensor([0, 4]), 4)
+
+
+@pytest.mark.parametrize(
+    ("key", "shape", "fits"),
+    [
+        ("r", (3,), True),
+        ("r", (3, 1), False),
+        ("obs", (3, 3), True),
+        ("obs", (3, 2), False),
+        ("obs", (3,), False),
+        ("obs", (3, 3, 1), False),
+        ("img", (3, 2, 1, 2), True),
+        ("img", (3, 2, 1, 3), False),
+        ("img", (3, 2, 2), False),
+    ],
+)
+def test_write_pairs_compares_every_feature_dimension(key: str, shape: tuple, fits: bool) -> None:
+    data = flat_store(3)[:3].exclude("index")
+    data._tensordict[key] = torch.zeros(shape, dtype=data[key].dtype)  # as it is, unchecked
+    assert (_fast_io.write_pairs(flat_store(), data, skip="index") is not None) is fits
+
+
+def test_write_pairs_compares_the_batch_dimensions_after_the_first() -> None:
+    stored = TensorDict({"obs": torch.zeros(7, 2, 3)}, batch_size=[7, 2])
+    same = TensorDict({"obs": torch.ones(3, 2, 3)}, batch_size=[3, 2])
+    other = TensorDict({"obs": torch.ones(3, 2, 3)}, batch_size=[3])
+    assert _fast_io.write_pairs(stored, same) is not None
+    assert _fast_io.write_pairs(stored, other) is None
+    assert _fast_io.write_pairs(stored, TensorDict({"obs": torch.ones(2, 3)}, [])) is None
+
+
 def test_whole_step_benchmark_runs_small_and_checks_its_answers(tmp_path, capsys) -> None:
     import json
 

@@ -39,9 +39,13 @@ __all__ = ["gather_plan", "gather_rows", "write_pairs", "write_rows"]
 
 _PLAIN_TENSORS = (torch.Tensor, MemoryMappedTensor)
 
-# A gather plan: (batch size after the first dimension, device, entries) for one level, where
-# an entry is (key, leaf tensor) or (key, nested plan).
-Plan = tuple[torch.Size, Any, list[tuple[str, Any]]]
+# A gather plan: (batch size after the first dimension, device, entries, flat) for one level,
+# where an entry is (key, leaf tensor) or (key, nested plan), and ``flat``: one level of
+# leaves with no dimension after the first, on the CPU (the common storage, gathered by
+# :func:`_gather_flat`).
+Plan = tuple[torch.Size, Any, list[tuple[str, Any]], bool]
+
+_NO_REST = torch.Size([])
 
 
 def write_pairs(
@@ -69,7 +73,7 @@ def write_pairs(
 
 def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: list) -> bool:
     stored, incoming = store._tensordict, rows._tensordict
-    if rows.batch_size[1:] != store.batch_size[1:]:
+    if not _same_rest(rows._batch_size, store._batch_size):
         return False
     if skip is not None:
         if skip in incoming or skip not in stored:
@@ -92,13 +96,25 @@ def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: li
             type(leaf) not in _PLAIN_TENSORS
             or type(value) not in _PLAIN_TENSORS
             or value.dtype != leaf.dtype
-            or value.shape[1:] != leaf.shape[1:]
+            or not _same_rest(value.shape, leaf.shape)
             or not (value.is_cpu and leaf.is_cpu)
             or value.requires_grad
         ):
             return False
         pairs.append((leaf, value))
     return True
+
+
+def _same_rest(a: torch.Size, b: torch.Size) -> bool:
+    """``a[1:] == b[1:]``; the common ranks without slicing (a ``torch.Size`` slice is slow)."""
+    rank = len(a)
+    if rank != len(b):
+        return False
+    if rank == 1:
+        return True
+    if rank == 2:
+        return a[1] == b[1]
+    return a[1:] == b[1:]
 
 
 def write_rows(pairs: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor) -> None:
@@ -125,17 +141,22 @@ def gather_plan(store: TensorDict) -> Plan | None:
     if type(store) is not TensorDict or store._td_dim_names is not None:
         return None
     entries: list[tuple[str, Any]] = []
+    flat = True
     for key, leaf in store._tensordict.items():
         if type(leaf) is TensorDict:
             nested = gather_plan(leaf)
             if nested is None:
                 return None
             entries.append((key, nested))
+            flat = False
         elif type(leaf) in _PLAIN_TENSORS and leaf.is_cpu:
             entries.append((key, leaf))
         else:
             return None
-    return store.batch_size[1:], store._device, entries
+    size, device = store._batch_size, store._device
+    rest = _NO_REST if len(size) == 1 else size[1:]  # (a torch.Size slice is slow)
+    flat = flat and not rest and (device is None or device.type == "cpu")
+    return rest, device, entries, flat
 
 
 def gather_rows(
@@ -171,17 +192,56 @@ def gather_rows(
         IndexError: a row outside ``[0, stored)``.
     """
     head = index.shape  # 1-D: torch.Size([len(index)])
+    starts = _run_starts(index, run, stored) if run is not None else None
+    if starts is None and plan[3]:
+        data = _gather_flat(plan, index, stored, head, extra)
+        if data is not None:
+            return data, True
     put: dict = {}
     complete = not extra or _place(plan, head, extra, put)
     if not complete:
         put = {}
-    starts = _run_starts(index, run, stored)
     return _gather_level(plan, index, stored, head, put, starts, run), complete
+
+
+def _gather_flat(
+    plan: Plan, index: torch.Tensor, stored: int, head: torch.Size, extra: dict | None
+) -> TensorDict | None:
+    """:func:`gather_rows` for a flat plan, row by row, if every ``extra`` entry fits; else None.
+
+    ``extra`` fits if its keys are strings and its values CPU tensors of ``len(index)`` rows;
+    nothing is gathered otherwise.
+    """
+    if extra:
+        n = head[0]
+        for key, value in extra.items():
+            if (
+                type(key) is not str
+                or type(value) is not torch.Tensor
+                or not value.ndim
+                or value.shape[0] != n
+                or not value.is_cpu
+            ):
+                return None
+    else:
+        extra = {}
+    out = _StringOnlyDict()
+    for key, leaf in plan[2]:
+        value = extra.get(key)
+        if value is not None:  # a stored entry of that name keeps its place, not read
+            out[key] = value
+        else:
+            source = leaf if leaf.shape[0] == stored else leaf.narrow(0, 0, stored)
+            out[key] = torch.index_select(source, 0, index)
+    for key, value in extra.items():
+        if key not in out:
+            out[key] = value
+    return _new_td(out, head, plan[1])
 
 
 def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
     """Sort ``extra`` into a tree of levels in ``put``; False if an entry does not fit."""
-    rest, device, _ = plan
+    rest, device = plan[0], plan[1]
     flat = not rest and (device is None or device.type == "cpu")
     for key, value in extra.items():
         if flat and type(key) is str:  # the common case: a top-level entry of shape [n, ...]
@@ -205,7 +265,7 @@ def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
             level, node = nested, node.setdefault(name, {})
             if type(node) is not dict:
                 return False
-        rest, device, _ = level
+        rest, device = level[0], level[1]
         batch = head + rest
         if (
             type(path[-1]) is not str
@@ -253,7 +313,7 @@ def _gather_level(
     starts: torch.Tensor | None,
     run: int | None,
 ) -> TensorDict:
-    rest, device, entries = plan
+    rest, device, entries = plan[0], plan[1], plan[2]
     out = _StringOnlyDict()
     for key, leaf in entries:
         value = put.get(key)

@@ -75,6 +75,16 @@ def _empty_compose(transform: Any) -> bool:
     return transforms is not None and len(transforms) == 0
 
 
+def _add(counter: _Synchronized, n: int) -> None:
+    """``counter.value += n`` under its lock, as TorchRL's properties update it."""
+    lock = counter.get_lock()
+    lock.acquire()
+    try:
+        counter.get_obj().value += n
+    finally:
+        lock.release()
+
+
 def _run_length(sampler: Any, batch_size: int) -> int | None:
     """The slice length a slice sampler's rows likely come in (checked by the gather)."""
     settings = sampler.__dict__
@@ -99,7 +109,8 @@ class FastPathMixin:
     def _fr_plain(self) -> TensorStorage | None:
         """The storage if the buffer is in the common set-up (both directions), else None.
 
-        O(1): about twenty attribute checks. Optional attributes are read from the instance
+        O(1): about twenty attribute checks, decided afresh on every call (the conformance
+        tests switch set-ups between calls). Optional attributes are read from the instance
         dictionaries (a missing attribute through ``getattr`` costs an exception).
         """
         state = self.__dict__
@@ -128,7 +139,7 @@ class FastPathMixin:
         stored, written = storage.__dict__, writer.__dict__
         if (
             not stored.get("initialized", False)
-            or storage.ndim != 1
+            or stored.get("ndim") != 1
             or stored.get("_compilable", True)
             or written.get("_compilable", True)
             or written.get("_track_generations", True)
@@ -190,53 +201,71 @@ class FastPathMixin:
         pairs = _fast_io.write_pairs(store, data, skip="index")
         if pairs is None:
             return None
-        n = data.batch_size[0] if data.batch_size else 0
+        # ``write_pairs`` checked that both are exactly ``TensorDict``: their fields are read
+        # directly (the properties re-parse nothing, but cost a call each).
+        n = data._batch_size[0] if data._batch_size else 0
         capacity = storage.max_size
         index_leaf = store._tensordict["index"]
+        device = data._device
         if (
             not 0 < n <= capacity
-            or store.batch_size[0] != capacity
+            or store._batch_size[0] != capacity
             or index_leaf.dtype != torch.long
             or index_leaf.shape != (capacity,)
-            or (data.device is not None and data.device.type != "cpu")
+            or (device is not None and device.type != "cpu")
         ):
             return None
-        writer = self._writer
         # The shared counters TorchRL's properties wrap (created by the first write, which
         # initialised the storage through the general path).
-        counters = (
-            writer.__dict__.get("_cursor_value"),
-            writer.__dict__.get("_write_count_value"),
-            storage.__dict__.get("_len_value"),
-            storage.__dict__.get("_last_cursor_index_value"),
-            storage.__dict__.get("_mutation_revision_value"),
-        )
-        if any(type(counter) is not _Synchronized for counter in counters):
+        written, stored = self._writer.__dict__, storage.__dict__
+        cursor_value = written.get("_cursor_value")
+        count_value = written.get("_write_count_value")
+        len_value = stored.get("_len_value")
+        last_value = stored.get("_last_cursor_index_value")
+        revision = stored.get("_mutation_revision_value")
+        if (
+            type(cursor_value) is not _Synchronized
+            or type(count_value) is not _Synchronized
+            or type(len_value) is not _Synchronized
+            or type(last_value) is not _Synchronized
+            or type(revision) is not _Synchronized
+        ):
             return None
-        cursor_value, count_value, len_value, last_value, revision = counters
-        # Each counter is updated under its own lock, as TorchRL's properties do (here
-        # read and written in one holding).
-        with cursor_value.get_lock():
-            cursor_cell = cursor_value.get_obj()
-            cursor = cursor_cell.value
+        # Each counter is updated under its own lock, as TorchRL's properties do (the cursor
+        # read and written in one holding). ``acquire`` / ``release`` of the lock itself:
+        # ``with`` goes through two Python-level methods of ``multiprocessing``'s lock.
+        lock = cursor_value.get_lock()
+        lock.acquire()
+        try:
+            cell = cursor_value.get_obj()
+            cursor = cell.value
             stop = cursor + n
             # The writer's bookkeeping, in its order: cursor and count first.
-            cursor_cell.value = stop % capacity
+            cell.value = stop % capacity
+        finally:
+            lock.release()
         index = torch.arange(cursor, stop)
         if stop > capacity:
             index.remainder_(capacity)
-        with count_value.get_lock():
-            count_value.get_obj().value += n
+        _add(count_value, n)
         # TensorStorage.set: last cursor, length, rows, mutation revision.
         storage._last_cursor = index
-        with last_value.get_lock():
+        lock = last_value.get_lock()
+        lock.acquire()
+        try:
             last_value.get_obj().value = (stop - 1) % capacity
-        with len_value.get_lock():
-            length_cell = len_value.get_obj()
-            length_cell.value = min(length_cell.value + n, capacity)
-        _fast_io.write_rows([*pairs, (index_leaf, index)], index)
-        with revision.get_lock():
-            revision.get_obj().value += 1
+        finally:
+            lock.release()
+        lock = len_value.get_lock()
+        lock.acquire()
+        try:
+            cell = len_value.get_obj()
+            cell.value = min(cell.value + n, capacity)
+        finally:
+            lock.release()
+        pairs.append((index_leaf, index))
+        _fast_io.write_rows(pairs, index)
+        _add(revision, 1)
         # The writer tells every buffer attached to the storage (its sampler marks the
         # rows), then the buffer tells its sampler.
         for entity in storage._attached_entities:
@@ -260,8 +289,14 @@ class FastPathMixin:
             and state.get("_sync", True)
             and state.get("_dim_extend") == 0
         ):
-            with self._replay_lock, self._write_lock:
-                self._sampler.update_priority(index, priority, storage=self._storage)
+            with self._replay_lock:
+                # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
+                write_lock = self._write_lock
+                if type(write_lock) is contextlib.nullcontext:  # (its enter/exit: Python calls)
+                    self._sampler.update_priority(index, priority, storage=self._storage)
+                else:
+                    with write_lock:
+                        self._sampler.update_priority(index, priority, storage=self._storage)
             return
         super().update_priority(index, priority)  # type: ignore[misc]
 
@@ -291,30 +326,41 @@ class FastPathMixin:
             and not self._warned_batch_size_conflict
         ):
             return None  # TorchRL's warning
+        with self._replay_lock:
+            # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
+            write_lock = self._write_lock
+            if type(write_lock) is contextlib.nullcontext:  # (its enter/exit: Python calls)
+                return self._fr_locked_sample(storage, batch_size)
+            with write_lock:
+                return self._fr_locked_sample(storage, batch_size)
+
+    def _fr_locked_sample(
+        self, storage: TensorStorage, batch_size: int
+    ) -> tuple[Any, dict, bool] | None:
+        """:meth:`_fr_fast_sample` once the checks passed and the buffer's locks are held."""
         sampler = self._sampler
-        with self._replay_lock, self._write_lock:
-            plan = _fast_io.gather_plan(storage._storage)
-            if plan is None:
-                return None
-            index, info = sampler.sample(storage, batch_size)
-            info["index"] = index
-            # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
-            rows = index[0] if type(index) is tuple and len(index) == 1 else index
-            length = storage.__dict__.get("_len_value")
-            if not (
-                type(rows) is torch.Tensor
-                and rows.dtype in _ROW_DTYPES
-                and rows.ndim == 1
-                and rows.is_cpu
-                and length is not None
-            ):
-                return self._fr_general_get(storage, index), info, False
-            extra = info
-            if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
-                extra = {**info, "index": torch.stack(index, -1)}
-            data, written = _fast_io.gather_rows(
-                plan, rows, length.value, extra, _run_length(sampler, batch_size)
-            )
+        plan = _fast_io.gather_plan(storage._storage)
+        if plan is None:
+            return None
+        index, info = sampler.sample(storage, batch_size)
+        info["index"] = index
+        # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
+        rows = index[0] if type(index) is tuple and len(index) == 1 else index
+        length = storage.__dict__.get("_len_value")
+        if not (
+            type(rows) is torch.Tensor
+            and rows.dtype in _ROW_DTYPES
+            and rows.ndim == 1
+            and rows.is_cpu
+            and length is not None
+        ):
+            return self._fr_general_get(storage, index), info, False
+        extra = info
+        if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
+            extra = {**info, "index": torch.stack(index, -1)}
+        data, written = _fast_io.gather_rows(
+            plan, rows, length.value, extra, _run_length(sampler, batch_size)
+        )
         return data, info, written
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
