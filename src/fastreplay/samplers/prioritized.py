@@ -62,8 +62,10 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
     * The trees need no compiled TorchRL extension. Two backends: numba's compiled loops on
       the CPU (the default when numba is installed) and pure torch (CPU or CUDA, the
-      default without numba or for CUDA storages); ``backend`` picks one. Both are batched:
-      ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
+      default without numba or for CUDA storages); ``backend`` picks one. Fed the same calls,
+      both hold bit-for-bit the same priorities and draw the same indices with the same
+      weights. Both are batched: ``update_priority`` costs O(k log capacity), ``sample``
+      O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
       (also coordinates whose count is not ``storage.ndim``) and indices outside the stored
       range raise :class:`ValueError` (a :class:`PriorityShapeError`, also a
@@ -546,8 +548,8 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         )
         if i_max >= self._written_end:
             self._written_end = i_max + 1
-        if not within and value > self._all_time_max:
-            self._new_all_time_max(flat, torch.tensor([value]), value)
+        if not within and value > self._all_time_max:  # rare: note where (the first slot)
+            self._all_time_at, self._all_time_max = int(flat[flat != -1][0]), value
 
     # ------------------------------------------------------------------ sampling
     @_locked
