@@ -276,9 +276,10 @@ class NumbaPriorityTrees:
         O(k log k + k log_B capacity), O(k) scratch memory whatever ``k``. ``index`` and
         ``raw`` are 1-D CPU tensors (``raw`` float32/float64, one per slot or one for all).
         """
-        index_np, raw_np = index.numpy(), raw.numpy()
-        args = (self._tree, self._offsets, self._sizes, self.branching, index_np, raw_np)
-        status, p_max, i_max = _check_and_write(*args, stored, eps, alpha, f32, self._bounds[f32])
+        status, p_max, i_max = _check_and_write(
+            self._tree, self._offsets, self._sizes, self.branching, index.numpy(), raw.numpy(),
+            stored, eps, alpha, f32, self._bounds[f32],
+        )  # fmt: skip
         if status != OK:
             self._not_ok(status, p_max, index, raw, stored, eps, alpha, f32)
         return p_max, i_max
