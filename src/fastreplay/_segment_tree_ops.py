@@ -33,9 +33,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from fastreplay._segment_tree import PriorityTrees
-
 __all__ = [
     "FLOAT32_LIMIT",
     "PriorityOverflowError",
@@ -187,8 +184,27 @@ class TorchTreeOps:
 
     bulk_chunk = 1 << 16  # smallest chunk of a bulk write (chunks are capacity / 16 or this)
 
+    if TYPE_CHECKING:  # what the mixin uses of PriorityTrees
+        capacity: int
+        device: torch.device
+
+        def update(
+            self,
+            index: torch.Tensor,
+            mass: torch.Tensor | float,
+            raw: torch.Tensor | float,
+            *,
+            rebuild: bool = True,
+        ) -> None: ...
+        def rebuild(self) -> None: ...
+        def clear(self, index: torch.Tensor) -> None: ...
+        def max_raw(self) -> float: ...
+        def max_raw_of(self, index: torch.Tensor) -> float: ...
+        def leaf_mass(self) -> torch.Tensor: ...
+        def search_with_mass(self, prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def check_and_write(
-        self: PriorityTrees,
+        self,
         index: torch.Tensor,
         raw: torch.Tensor,
         stored: int,
@@ -228,7 +244,7 @@ class TorchTreeOps:
         return p_max, i_max
 
     def mark_update(
-        self: PriorityTrees,
+        self,
         index: torch.Tensor,
         stored: int,
         eps: float,
@@ -257,7 +273,7 @@ class TorchTreeOps:
         return priority, int(i_max)
 
     def sample(
-        self: PriorityTrees,
+        self,
         draw: torch.Tensor,
         total: float,
         m_min: float,
