@@ -369,11 +369,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         return torch.tensor(value, dtype=self.dtype, device=self.device)
 
     def _check_mass(self, p_max: float, *, alpha: float | None = None, what: str) -> None:
-        """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1).
-
-        float32: the mass must round to a finite float32. float64: the sum over every slot
-        must stay finite, so the mass must be below ``float64 max / slots``.
-        """
+        """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1)."""
         alpha = self._alpha if alpha is None else alpha
         check_mass(p_max, self._eps, alpha, self.dtype == torch.float32, self._slots, what)
 
