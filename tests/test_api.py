@@ -141,6 +141,7 @@ _CORES = (
     "_pinning.py",
     "_segment_tree.py",
     "_segment_tree_numba.py",
+    "_segment_tree_ops.py",
     "_slice_indices.py",
     "_trajectory_index.py",
     "_tree_backends.py",

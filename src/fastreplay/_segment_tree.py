@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from fastreplay._segment_tree_ops import TorchTreeOps
+
 __all__ = ["PriorityTrees"]
 
 _INF = math.inf
@@ -52,7 +54,7 @@ _BULK = 64
 _BATCHED_SEARCHSORTED = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 15)
 
 
-class PriorityTrees:
+class PriorityTrees(TorchTreeOps):
     """Sum, min and negated-min segment trees over ``capacity`` slots (CPU or CUDA).
 
     Args:
@@ -65,8 +67,9 @@ class PriorityTrees:
     Memory is ``3 * 8 * capacity * (1 + 1 / (branching - 1))`` bytes (about 24 bytes a slot).
     Not thread-safe: callers serialize writes and searches (the samplers hold a lock).
 
-    :func:`make_trees` builds these or :class:`fastreplay._segment_tree_numba.
-    NumbaPriorityTrees` (same interface, compiled loops on the CPU); ``backend`` names which.
+    Implements :class:`fastreplay._tree_backends.PriorityTreeBackend` (the sampler operations
+    ``check_and_write``, ``mark_update`` and ``sample`` come from :class:`TorchTreeOps`), as
+    :class:`fastreplay._segment_tree_numba.NumbaPriorityTrees` (compiled loops on the CPU) does.
 
     Example:
         >>> import torch

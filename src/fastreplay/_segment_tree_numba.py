@@ -1,11 +1,12 @@
 """Priority segment trees walked by numba-compiled loops (CPU only, optional ``numba``).
 
-:class:`NumbaPriorityTrees` implements the interface of :class:`fastreplay._segment_tree.
-PriorityTrees` (same methods, same semantics, same ``levels`` views) with the tree kept in one
-float64 array of shape ``(3, nodes)``: row 0 the sum tree over the sampling mass, row 1 the min
-tree over the mass, row 2 the negated-min tree over the raw priorities (see
-:mod:`fastreplay._segment_tree`). The levels are stored back to back, leaves first, with the
-same ``branching``-ary padded layout as the pure-torch trees.
+:class:`NumbaPriorityTrees` implements the tree interface :class:`fastreplay._tree_backends.
+PriorityTreeBackend`, as :class:`fastreplay._segment_tree.PriorityTrees` does (same methods,
+same semantics, same ``levels`` views, same errors: :mod:`fastreplay._segment_tree_ops` words
+them), with the tree kept in one float64 array of shape ``(3, nodes)``: row 0 the sum tree
+over the sampling mass, row 1 the min tree over the mass, row 2 the negated-min tree over the
+raw priorities (see :mod:`fastreplay._segment_tree`). The levels are stored back to back,
+leaves first, with the same ``branching``-ary padded layout as the pure-torch trees.
 
 Every operation is one compiled loop instead of a few torch ops per tree level, so a call costs
 a few microseconds of dispatch plus the memory accesses themselves:
@@ -41,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,6 +68,7 @@ from fastreplay._numba_kernels import (
     _write_priorities,
     numba,
 )
+from fastreplay._segment_tree_ops import check_mass, mass_bound, validate
 
 __all__ = [
     "BAD_INDEX",
@@ -78,13 +81,17 @@ __all__ = [
 ]
 
 _INF = math.inf
+_ZERO = np.zeros(1)  # the priority a default-priority write checks its slots with
+_WEIGHT_DTYPES = (np.float64, np.float32)  # by ``f32``
 
 
 # ---------------------------------------------------------------------- trees
 class NumbaPriorityTrees:
     """Sum, min and negated-min segment trees over ``capacity`` slots, compiled loops, CPU.
 
-    Same interface and semantics as :class:`fastreplay._segment_tree.PriorityTrees`.
+    Same interface (:class:`fastreplay._tree_backends.PriorityTreeBackend`) and semantics as
+    :class:`fastreplay._segment_tree.PriorityTrees`; ``check_and_write``, ``mark_update`` and
+    ``sample`` each run one compiled kernel.
 
     Args:
         capacity: number of leaf slots (any positive int).
@@ -132,12 +139,14 @@ class NumbaPriorityTrees:
         """Derive the tensor view of :attr:`_tree` (never pickled: it is rebuilt here)."""
         self._data = torch.from_numpy(self._tree)
         self._root = int(self._offsets[-1])
+        # masses below these fit the dtype for sure (float64, float32), see ``check_mass``
+        self._bounds = (mass_bound(False, self.capacity), mass_bound(True, self.capacity))
 
     def __getstate__(self) -> dict[str, Any]:
         # The NumPy array is pickled by value, so every copy (another process's included)
         # owns its trees and this process's trees stay where they are. O(capacity).
         state = self.__dict__.copy()
-        state.pop("_data")
+        del state["_data"], state["_bounds"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -252,68 +261,94 @@ class NumbaPriorityTrees:
         prefix = self._values(prefix)
         return torch.from_numpy(_descend(self._tree, self._offsets, self.branching, prefix))
 
-    # ------------------------------------------------------------------ fused sampler paths
-    def check_priorities(
-        self, index: np.ndarray, raw: np.ndarray, stored: int, eps: float, alpha: float, f32: bool
-    ) -> tuple[int, float, bool]:
-        """One pass over a priority write: ``(status, max priority, has -1 markers)``. O(k)."""
-        status, p_max, marker, _ = _check(index, raw, stored, eps, alpha, f32)
-        return status, p_max, marker
-
-    def write_priorities(
-        self, index: np.ndarray, raw: np.ndarray, eps: float, alpha: float, f32: bool
-    ) -> None:
-        """Write checked raw priorities and their mass ``(p + eps) ** alpha``. O(k log_B cap)."""
-        args = (self._tree, self._offsets, self._sizes, self.branching)
-        _write_priorities(*args, index, raw, eps, alpha, f32)
-
+    # ------------------------------------------------------------------ sampler operations
     def check_and_write(
         self,
-        index: np.ndarray,
-        raw: np.ndarray,
+        index: torch.Tensor,
+        raw: torch.Tensor,
         stored: int,
         eps: float,
         alpha: float,
         f32: bool,
-        bound: float,
-    ) -> tuple[int, float, int]:
-        """Check a priority write and write it in one call: ``(status, max priority, max slot)``.
+    ) -> tuple[float, int]:
+        """Check a priority write and write it, in one compiled call: ``(max priority, max slot)``.
 
-        O(k log k + k log_B capacity). Nothing is written unless the status is ``OK``; see
-        :meth:`check_priorities` for the other statuses, and ``CHECK_MASS`` when the largest
-        mass ``(p + eps) ** alpha`` is not below ``bound``. The max slot is ``-1`` if every
-        index is a ``-1`` marker.
+        O(k log k + k log_B capacity), O(k) scratch memory whatever ``k``. ``index`` and
+        ``raw`` are 1-D CPU tensors (``raw`` float32/float64, one per slot or one for all).
         """
-        args = (self._tree, self._offsets, self._sizes, self.branching)
-        return _check_and_write(*args, index, raw, stored, eps, alpha, f32, bound)
+        status, p_max, i_max = _check_and_write(
+            self._tree, self._offsets, self._sizes, self.branching, index.numpy(), raw.numpy(),
+            stored, eps, alpha, f32, self._bounds[f32],
+        )  # fmt: skip
+        if status != OK:
+            self._not_ok(status, p_max, index, raw, stored, eps, alpha, f32)
+        return p_max, i_max
 
-    def clear_if_holds_max(self, index: np.ndarray) -> None:
-        """Clear leaves ``index`` (negatives skipped) if one of them holds the live max. O(k)."""
-        if _holds_max(self._tree, index, self._root):
+    def _not_ok(
+        self,
+        status: int,
+        p_max: float,
+        index: torch.Tensor,
+        raw: torch.Tensor,
+        stored: int,
+        eps: float,
+        alpha: float,
+        f32: bool,
+    ) -> None:
+        """A write the kernel did not do: raise its error, or decide a large mass and write."""
+        if status == CHECK_MASS:  # near the dtype's limit: the exact check raises or passes
+            check_mass(p_max, eps, alpha, f32, self.capacity)
             args = (self._tree, self._offsets, self._sizes, self.branching)
-            valid = index[index >= 0] if (index < 0).any() else index
-            _write(*args, valid, _CLEARED)
+            _write_priorities(*args, index.numpy(), raw.numpy(), eps, alpha, f32)
+            return
+        raw = raw.to(torch.float64).expand(index.shape)
+        validate(index, raw, stored, eps, alpha, f32, self.capacity)  # raises the error
+        raise AssertionError(f"unreported bad priority write (status {status})")
+
+    def mark_update(
+        self,
+        index: torch.Tensor,
+        stored: int,
+        eps: float,
+        alpha: float,
+        f32: bool,
+        value: Callable[[], float],
+        clear_max: bool,
+    ) -> tuple[float, int]:
+        """Write the priority ``value()`` at every slot of ``index``. O(k log_B capacity)."""
+        index_np = index.numpy()
+        if clear_max:  # clear the slots first if one holds the live max (checked first)
+            status = _check(index_np, _ZERO, stored, eps, alpha, False)[0]
+            if status != OK:  # raises before any change
+                zero = torch.zeros(1, dtype=torch.float64).expand(index.shape)
+                validate(index, zero, stored, eps, alpha, f32, self.capacity)
+            if _holds_max(self._tree, index_np, self._root):
+                valid = index_np[index_np >= 0] if (index_np < 0).any() else index_np
+                _write(self._tree, self._offsets, self._sizes, self.branching, valid, _CLEARED)
+        return self.check_and_write(
+            index, torch.tensor([value()], dtype=torch.float64), stored, eps, alpha, f32
+        )
 
     def sample(
         self,
-        draw: np.ndarray,
+        draw: torch.Tensor,
         total: float,
         m_min: float,
         beta: float,
         f32: bool,
         limit: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Leaves for uniform ``draw`` and their weights ``(mass / m_min) ** -beta``.
+        """Leaves for uniform float64 ``draw`` and their weights, in one compiled pass.
 
         ``limit``: only leaves below it are drawn; ``total`` and ``m_min`` are then those of
         :meth:`prefix` ``(limit)``. O(s log_B capacity).
         """
+        draw_np = draw.numpy() if draw.is_cpu else draw.cpu().numpy()
         limit = self.capacity if limit is None else limit
         index, weight = _sample(
-            self._tree, self._offsets, self.branching, draw, total, m_min, -beta, f32, limit
+            self._tree, self._offsets, self.branching, draw_np, total, m_min, -beta, f32, limit
         )
-        dtype = np.float32 if f32 else np.float64
-        return torch.from_numpy(index), torch.from_numpy(weight.view(dtype))
+        return torch.from_numpy(index), torch.from_numpy(weight.view(_WEIGHT_DTYPES[f32]))
 
     # ------------------------------------------------------------------ persistence
     def to(self, device: torch.device | str) -> NumbaPriorityTrees:

@@ -1,8 +1,11 @@
-"""Priority-tree backends: which ones run here, and a factory (no TorchRL imports).
+"""Priority-tree backends: their interface, which ones run here, a factory (no TorchRL imports).
 
-Two backends implement the interface of :class:`fastreplay._segment_tree.PriorityTrees`:
-``"torch"`` (pure torch, any device, always available) and ``"numba"`` (compiled loops on the
-CPU, :mod:`fastreplay._segment_tree_numba`, when numba is installed).
+Two backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
+(:class:`fastreplay._segment_tree.PriorityTrees`: pure torch, any device, always available)
+and ``"numba"`` (:class:`fastreplay._segment_tree_numba.NumbaPriorityTrees`: compiled loops on
+the CPU, when numba is installed). Fed the same calls, both hold bit-for-bit the same leaves and
+draw the same samples with the same weights (``tests/conformance/test_tree_backends.py``), so
+the samplers call the interface and never ask which backend runs.
 
 Example:
     >>> from fastreplay._tree_backends import available_backends, make_trees
@@ -15,15 +18,189 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from fastreplay._segment_tree import PriorityTrees
 
-__all__ = ["BACKENDS", "available_backends", "make_trees"]
+__all__ = ["BACKENDS", "PriorityTreeBackend", "available_backends", "make_trees", "move_trees"]
 
 BACKENDS = ("torch", "numba")
+
+
+class PriorityTreeBackend(Protocol):
+    """Sum, min and negated-min segment trees over ``capacity`` slots: what a backend provides.
+
+    Each slot holds a sampling mass ``m = (p + eps) ** alpha`` (rounded to float32 for float32
+    samplers; sums accumulate in float64) and its raw priority ``p``; an unwritten slot has
+    mass 0 and raw priority ``-inf``. ``B`` is :attr:`branching`; ``k`` the number of slots
+    written, ``s`` the number of draws. Not thread-safe: the samplers hold a lock.
+
+    The sampler operations (:meth:`check_and_write`, :meth:`mark_update`, :meth:`sample`) take
+    ``eps``, ``alpha``, ``beta`` as Python floats and ``f32`` (the sampler's dtype is float32)
+    and raise the samplers' errors, worded by :mod:`fastreplay._segment_tree_ops`; a call that
+    raises has changed nothing.
+    """
+
+    backend: str
+    """``"torch"`` or ``"numba"``."""
+    capacity: int
+    branching: int
+    device: torch.device
+
+    @property
+    def levels(self) -> list[torch.Tensor]:
+        """Views ``(3, nodes)`` of every level, leaves first (rows: sum, min, negated raw)."""
+        ...
+
+    # ---------------------------------------------------------------- reads
+    def total(self) -> float:
+        """Sum of the mass of every written slot. O(1)."""
+        ...
+
+    def min_mass(self) -> float:
+        """Smallest mass over written slots, ``inf`` if none is written. O(1)."""
+        ...
+
+    def max_raw(self) -> float:
+        """Largest raw priority over written slots, ``-inf`` if none is written. O(1)."""
+        ...
+
+    def prefix(self, n: int) -> tuple[float, float]:
+        """``(sum, min)`` of the mass over slots ``[0, n)``. O(n) at most."""
+        ...
+
+    def mass(self, index: torch.Tensor) -> torch.Tensor:
+        """Mass (float64) at the slots ``index``. O(k)."""
+        ...
+
+    def raw(self) -> torch.Tensor:
+        """Raw priority of every slot (``-inf`` where unwritten), float64. O(capacity)."""
+        ...
+
+    def leaf_mass(self) -> torch.Tensor:
+        """Mass of every slot (0 where unwritten), float64, a copy. O(capacity)."""
+        ...
+
+    def written(self) -> torch.Tensor:
+        """Boolean mask of the slots that hold a priority. O(capacity)."""
+        ...
+
+    def search(self, prefix: torch.Tensor, *, guard: bool = False) -> torch.Tensor:
+        """Slot of each prefix mass: the smallest ``i`` with ``sum(mass[:i + 1]) > prefix``.
+
+        Always a slot with positive mass while :meth:`total` is. O(s log_B capacity).
+        """
+        ...
+
+    # ---------------------------------------------------------------- raw writes (no checks)
+    def update(self, index: torch.Tensor, mass: torch.Tensor, raw: torch.Tensor) -> None:
+        """Write masses and raw priorities at in-range ``index`` (last repeat wins).
+
+        O(k log_B capacity).
+        """
+        ...
+
+    def clear(self, index: torch.Tensor) -> None:
+        """Make the slots ``index`` unwritten. O(k log_B capacity)."""
+        ...
+
+    def reset(self) -> None:
+        """Make every slot unwritten. O(capacity)."""
+        ...
+
+    def set_leaves(self, mass: torch.Tensor, raw: torch.Tensor) -> None:
+        """Replace every leaf (``capacity`` each; raw ``-inf``: unwritten). O(capacity)."""
+        ...
+
+    def rebuild(self) -> None:
+        """Recompute every internal node from the leaves. O(capacity)."""
+        ...
+
+    # ---------------------------------------------------------------- sampler operations
+    def check_and_write(
+        self,
+        index: torch.Tensor,
+        raw: torch.Tensor,
+        stored: int,
+        eps: float,
+        alpha: float,
+        f32: bool,
+    ) -> tuple[float, int]:
+        """Check, then write raw priorities ``raw`` and their mass at the slots ``index``.
+
+        ``index``: a 1-D long tensor on :attr:`device`; ``-1`` entries are skipped (TorchRL's
+        ``MaxValueWriter`` marks rows so). ``raw``: a 1-D float32/float64 tensor, one priority
+        per index or one for all. A repeated slot takes its last value. Atomic: nothing is
+        written unless every entry is good. Memory stays bounded for bulk writes (numba:
+        O(k) scratch; torch: chunks of ``max(capacity / 16, 65536)`` slots).
+
+        Returns:
+            ``(largest priority written, largest slot written)``; ``(-inf, -1)`` if every
+            index is ``-1``.
+
+        Raises:
+            ValueError: an index outside ``[0, stored)``, or a NaN, infinite or negative
+                priority (the message names them).
+            PriorityOverflowError: a mass that does not fit the dtype.
+
+        O(k log_B capacity); O(capacity) for writes of a large share of the slots.
+        """
+        ...
+
+    def mark_update(
+        self,
+        index: torch.Tensor,
+        stored: int,
+        eps: float,
+        alpha: float,
+        f32: bool,
+        value: Callable[[], float],
+        clear_max: bool,
+    ) -> tuple[float, int]:
+        """Write one priority at every slot of ``index`` (``-1`` skipped): new items' default.
+
+        Checks ``index`` first; then, if ``clear_max`` and a slot of ``index`` holds the live
+        max raw priority, clears those slots, so ``value()`` (called once, after that) no
+        longer sees what they held; then writes ``value()`` as :meth:`check_and_write` does.
+
+        Returns:
+            ``(value written, largest slot written)``; ``(-inf, -1)`` if every index is ``-1``.
+
+        O(k log_B capacity).
+        """
+        ...
+
+    def sample(
+        self,
+        draw: torch.Tensor,
+        total: float,
+        m_min: float,
+        beta: float,
+        f32: bool,
+        limit: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw a slot for each uniform float64 ``draw`` in ``[0, 1)`` (scaled in place).
+
+        Descends the sum tree to the slot holding ``draw * total``, reads its mass ``m`` and
+        returns ``(slots, (m / m_min) ** -beta)``, the weights float32 if ``f32`` else float64.
+        ``total`` and ``m_min`` are :meth:`total` and :meth:`min_mass`, or with ``limit``
+        (only slots below it are drawn) those of :meth:`prefix` ``(limit)``: a draw that
+        rounding pushes past ``limit`` moves to the last slot below it with mass.
+
+        O(s log_B capacity).
+        """
+        ...
+
+    # ---------------------------------------------------------------- persistence
+    def to(self, device: torch.device | str) -> PriorityTreeBackend:
+        """The trees on ``device``, moved in place (``self``). O(capacity).
+
+        Raises ValueError where this backend cannot live (numba: off the CPU).
+        """
+        ...
 
 
 def available_backends() -> tuple[str, ...]:
@@ -39,8 +216,8 @@ def make_trees(
     backend: str | None = None,
     device: torch.device | str | None = None,
     branching: int | None = None,
-) -> Any:
-    """Build priority trees with the :class:`PriorityTrees` interface on ``backend``.
+) -> PriorityTreeBackend:
+    """Build priority trees (a :class:`PriorityTreeBackend`) on ``backend``. O(capacity).
 
     Args:
         capacity: number of leaf slots.
@@ -83,3 +260,27 @@ def make_trees(
             )
         return NumbaPriorityTrees(capacity, device=device, branching=branching or 8)
     return PriorityTrees(capacity, device=device, branching=branching or 32)
+
+
+def move_trees(
+    trees: PriorityTreeBackend, device: torch.device | str, *, backend: str | None = None
+) -> PriorityTreeBackend:
+    """``trees`` on ``device``, every priority kept. O(capacity).
+
+    Moved in place where their backend lives there. With ``backend=None`` (the automatic
+    choice of :func:`make_trees`), CPU-only trees asked onto another device are rebuilt on the
+    torch backend there instead.
+
+    Raises:
+        ValueError: ``backend`` was chosen explicitly and cannot live on ``device``.
+
+    Example:
+        >>> move_trees(make_trees(7, backend="torch"), "cpu").backend
+        'torch'
+    """
+    device = torch.device(device)
+    if backend is None and device.type != "cpu" and trees.backend != "torch":
+        moved = make_trees(trees.capacity, backend="torch", device=device)
+        moved.set_leaves(trees.leaf_mass(), trees.raw())
+        return moved
+    return trees.to(device)

@@ -7,6 +7,7 @@ loads, the sampler is also checked against TorchRL's own sampler fed the same ca
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -19,6 +20,8 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 import fastreplay._segment_tree_numba as numba_trees
 from conftest import requires_cuda, requires_torchrl_ext
 from fastreplay import PrioritizedSampler
+from fastreplay._segment_tree import PriorityTrees
+from fastreplay._tree_backends import PriorityTreeBackend, make_trees
 
 requires_numba = pytest.mark.skipif(
     not numba_trees.NUMBA_AVAILABLE,
@@ -175,10 +178,10 @@ def test_priority_dtypes(backend: str, dtype: torch.dtype) -> None:
 
 def test_bulk_writes_in_chunks_stay_atomic_and_last_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch backend writes large batches chunk by chunk: same result, same atomicity."""
-    monkeypatch.setattr(PrioritizedSampler, "_bulk_chunk", 8)
+    monkeypatch.setattr(PriorityTrees, "bulk_chunk", 8)
     chunked = PrioritizedSampler(50, 0.8, 0.5, backend="torch")
     whole = PrioritizedSampler(50, 0.8, 0.5, backend="torch")
-    whole._bulk_chunk = 10**9
+    whole._trees.bulk_chunk = 10**9
     gen = torch.Generator().manual_seed(9)
     index = torch.randint(-1, 50, (300,), generator=gen)  # repeats across chunks, -1 markers
     priority = torch.rand(300, generator=gen)
@@ -491,3 +494,22 @@ def test_a_priority_past_the_stored_items_as_in_torchrl(backend: str) -> None:
         assert float(sampler.default_priority) == 1e3
         rb.extend(torch.arange(10, 11))
         assert sampler._sum_tree[10] == 1e3
+
+
+def test_every_backend_implements_the_whole_tree_interface(backend: str) -> None:
+    """The samplers call only :class:`PriorityTreeBackend`: each backend has every member, with
+    the interface's parameters in its order (extra parameters only with defaults)."""
+    trees = make_trees(7, backend=backend)
+    members = set(PriorityTreeBackend.__annotations__) | {
+        name for name in vars(PriorityTreeBackend) if not name.startswith("_")
+    }
+    assert {"check_and_write", "mark_update", "sample", "set_leaves", "levels"} <= members
+    for name in sorted(members):
+        assert hasattr(trees, name), f"{backend} trees lack {name}"
+        wanted = vars(PriorityTreeBackend).get(name)
+        if not inspect.isfunction(wanted):
+            continue
+        expected = list(inspect.signature(wanted).parameters.values())
+        found = list(inspect.signature(getattr(type(trees), name)).parameters.values())
+        assert [p.name for p in found[: len(expected)]] == [p.name for p in expected], name
+        assert all(p.default is not p.empty for p in found[len(expected) :]), name

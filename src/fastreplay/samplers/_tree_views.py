@@ -3,11 +3,12 @@
 TorchRL's ``PrioritizedSampler`` keeps two compiled trees, ``_sum_tree`` and ``_min_tree``.
 They are private, but TorchRL's tests and user code read them (``tree[i]``, ``tree.at(i)``,
 ``tree.query(0, len(rb))``, ``tree.scan_lower_bound(mass)``). These views answer those calls
-from a :class:`fastreplay._segment_tree.PriorityTrees` (any backend with its public methods),
+from the sampler's trees (a :class:`fastreplay._tree_backends.PriorityTreeBackend`, any backend),
 with TorchRL's return types: an int index gives a Python float, a NumPy array gives a NumPy
 array of the tree dtype, a tensor gives a tensor of the same shape (a 0-dim tensor gives a
 Python float, as the compiled trees do). Writing through them raises :class:`TypeError`:
-priorities change through ``update_priority``.
+priorities change through ``update_priority``. :class:`TorchRLTreeViews` wires them (and
+TorchRL's ``_max_priority`` pair) into the sampler as read-only properties.
 
 Costs: point reads O(k); ``query`` over every slot O(1) (the tree root), over a sub-range
 O(capacity) (vectorized); ``scan_lower_bound`` O(k log capacity).
@@ -17,14 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from fastreplay._segment_tree import PriorityTrees
+from fastreplay._tree_backends import PriorityTreeBackend
 
-__all__ = ["MinTreeView", "SumTreeView"]
+__all__ = ["MinTreeView", "SumTreeView", "TorchRLTreeViews"]
 
 _READ_ONLY = (
     "{name} is a read-only view of fastreplay's priority trees; set priorities with "
@@ -39,7 +40,7 @@ class _TreeView:
 
     def __init__(
         self,
-        trees: Callable[[], PriorityTrees],
+        trees: Callable[[], PriorityTreeBackend],
         dtype: Callable[[], torch.dtype],
         size: Callable[[], int],
     ) -> None:
@@ -49,7 +50,7 @@ class _TreeView:
 
     # ------------------------------------------------------------------ attributes
     @property
-    def _trees(self) -> PriorityTrees:
+    def _trees(self) -> PriorityTreeBackend:
         return self._get_trees()
 
     @property
@@ -258,3 +259,80 @@ class MinTreeView(_TreeView):
     def _whole(self) -> float:
         value = self._trees.min_mass()
         return self.identity_element if value == math.inf else value
+
+
+class TorchRLTreeViews:
+    """``_sum_tree``, ``_min_tree`` and ``_max_priority`` of a prioritized sampler (a mixin).
+
+    TorchRL's sampler keeps these as attributes; here they are read-only properties derived
+    from the sampler's trees (``_trees``, ``_slots``, ``dtype``; ``_all_time_max`` and
+    ``_all_time_index()`` for ``max_priority_within_buffer=False``).
+    """
+
+    _trees: PriorityTreeBackend
+    _slots: int
+    _max_priority_within_buffer: bool
+    _all_time_max: float
+    dtype: torch.dtype
+
+    if TYPE_CHECKING:
+
+        @property
+        def device(self) -> torch.device: ...
+        def _all_time_index(self) -> int | None: ...
+
+    @property
+    def _sum_tree(self) -> SumTreeView:
+        """Read-only view answering like TorchRL's compiled sum tree.
+
+        Supports ``[i]``, ``at``, ``query``, ``scan_lower_bound``; backed by this sampler's trees.
+        """
+        return SumTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
+
+    @_sum_tree.setter
+    def _sum_tree(self, value: Any) -> None:
+        raise AttributeError(
+            "_sum_tree is a read-only view of fastreplay's priority trees; use "
+            "update_priority or load_state_dict to change priorities"
+        )
+
+    @property
+    def _min_tree(self) -> MinTreeView:
+        """Read-only view answering like TorchRL's compiled min tree (``[i]``, ``query``)."""
+        return MinTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
+
+    @_min_tree.setter
+    def _min_tree(self, value: Any) -> None:
+        raise AttributeError(
+            "_min_tree is a read-only view of fastreplay's priority trees; use "
+            "update_priority or load_state_dict to change priorities"
+        )
+
+    @property
+    def _max_priority(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(max priority, its flat slot)`` as TorchRL keeps it, or ``(None, None)``.
+
+        With ``max_priority_within_buffer=True`` the live max over stored items and its slot
+        (O(capacity) to find the slot); otherwise the all-time max and where it was set.
+        Values are 0-dim tensors on :attr:`device` (the priority in ``dtype``).
+        """
+        if self._max_priority_within_buffer:
+            value = self._trees.max_raw()
+            if value == -math.inf:
+                return None, None
+            index: int | None = int(torch.argmax(self._trees.raw()))
+        else:
+            value = self._all_time_max
+            if value == -math.inf:
+                return None, None
+            index = self._all_time_index()
+        priority = torch.tensor(value, dtype=self.dtype, device=self.device)
+        slot = None if index is None else torch.tensor(index, device=self.device)
+        return priority, slot
+
+    @_max_priority.setter
+    def _max_priority(self, value: Any) -> None:
+        raise AttributeError(
+            "_max_priority is a read-only view in fastreplay: the max priority is derived "
+            "from the stored priorities (see default_priority, upper_priority)"
+        )

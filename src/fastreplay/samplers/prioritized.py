@@ -1,34 +1,32 @@
 """``fastreplay.PrioritizedSampler``: TorchRL's PER sampler on fast segment trees with a live max.
 
-A thin adapter: the trees live in :mod:`fastreplay._segment_tree` (pure torch) and
-:mod:`fastreplay._segment_tree_numba` (compiled loops, the default when numba is installed);
-this module only maps TorchRL's sampler contract (arguments, scalar types, index formats,
-``mark_update``, checkpoints) onto them.
+A thin adapter: it maps TorchRL's sampler contract (arguments, scalar types, index formats,
+``mark_update``, the default priority) onto the tree interface
+:class:`fastreplay._tree_backends.PriorityTreeBackend`, which both tree backends implement
+(:mod:`fastreplay._segment_tree_numba`, compiled loops, the default when numba is installed;
+:mod:`fastreplay._segment_tree`, pure torch, otherwise). Checkpoints live in
+:mod:`fastreplay.samplers._priority_checkpoint`, TorchRL's private tree views in
+:mod:`fastreplay.samplers._tree_views`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-import numbers
-import sys
 import threading
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import torch
 
-from fastreplay._segment_tree import PriorityTrees
-from fastreplay._segment_tree_numba import CHECK_MASS as _CHECK_MASS
-from fastreplay._segment_tree_numba import OK as _OK
+from fastreplay._segment_tree_ops import PriorityOverflowError, check_mass, mass_of
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import Storage
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
-from fastreplay._tree_backends import make_trees
-from fastreplay.samplers._tree_views import MinTreeView, SumTreeView
+from fastreplay._tree_backends import PriorityTreeBackend, make_trees, move_trees
+from fastreplay.samplers._priority_checkpoint import CheckpointError, PriorityCheckpoints
+from fastreplay.samplers._priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
+from fastreplay.samplers._priority_common import locked as _locked
+from fastreplay.samplers._priority_common import scalar as _scalar
+from fastreplay.samplers._tree_views import TorchRLTreeViews
 
 __all__ = [
     "CheckpointError",
@@ -36,21 +34,6 @@ __all__ = [
     "PriorityOverflowError",
     "PriorityShapeError",
 ]
-
-_FORMAT = "fastreplay.PrioritizedSampler"
-_SCHEMA_VERSION = 1
-_FLOAT_DTYPES = (torch.float32, torch.float64)
-# A float64 value rounds to a finite float32 iff it is below FLT_MAX + half an ulp (2 ** 103).
-_FLOAT32_LIMIT = float(torch.finfo(torch.float32).max) + 2.0**103
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-class PriorityOverflowError(OverflowError, ValueError):
-    """A priority whose sampling mass ``(p + eps) ** alpha`` does not fit the sampler's dtype.
-
-    An :class:`OverflowError` (what TorchRL raises when such a mass reaches its trees) and a
-    :class:`ValueError` (what fastreplay raises for other bad priorities).
-    """
 
 
 class PriorityShapeError(ValueError, RuntimeError):
@@ -64,66 +47,7 @@ class _UnsupportedError(ValueError, NotImplementedError):
     """An unsupported ``dtype`` (TorchRL raises :class:`NotImplementedError`)."""
 
 
-class CheckpointError(ValueError, KeyError, RuntimeError):
-    """A state dict or ``dumps`` folder this sampler cannot load; nothing was changed.
-
-    Subclasses the errors TorchRL raises for foreign or mismatched checkpoints
-    (:class:`KeyError` for a missing key, :class:`RuntimeError` for another capacity) and
-    :class:`ValueError`.
-    """
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-def _locked(method: _Method) -> _Method:
-    """Run ``method`` under the sampler's re-entrant lock.
-
-    Sampling then never sees a half-applied change (``alpha``, a checkpoint load, an update).
-    """
-
-    @functools.wraps(method)
-    def wrapper(self: PrioritizedSampler, *args: Any, **kwargs: Any) -> Any:
-        with self._fr_lock:
-            return method(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _scalar(value: Any, name: str) -> float:
-    """``value`` as a Python float: every number TorchRL accepts for ``name``. O(1).
-
-    A Python ``int``/``float``/``bool``, a NumPy scalar, or a one-element tensor or array
-    (``torch.tensor(0.6)``, as TorchRL's parameter schedulers set). The compiled kernels
-    take Python floats only, so every scalar is converted here, once, where it enters.
-
-    Raises:
-        TypeError: anything else (a string, a complex number, several elements), naming
-            ``name`` and showing the value.
-    """
-    if type(value) is float:  # hot path
-        return value
-    if isinstance(value, (np.ndarray, np.generic)) and value.size == 1:
-        value = value.item()
-    elif isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()  # one host sync for a CUDA tensor, here and only here
-    if isinstance(value, numbers.Real):
-        return float(value)
-    raise TypeError(
-        f"{name} must be a real number (a float, an int, a NumPy scalar or a one-element "
-        f"tensor), got {name}={value!r} of type {type(value).__name__}"
-    )
-
-
-def _show(index: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, limit: int = 5) -> str:
-    """``"index 3: nan, index 7: -1.0"`` for the first ``limit`` entries where ``mask``."""
-    where = mask.nonzero().flatten()
-    shown = [f"index {int(index[i])}: {float(values[i])!r}" for i in where[:limit].tolist()]
-    more = f" (and {where.numel() - limit} more)" if where.numel() > limit else ""
-    return ", ".join(shown) + more
-
-
-class PrioritizedSampler(_TorchRLPrioritizedSampler):
+class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioritizedSampler):
     r"""Prioritized Experience Replay sampler whose default priority is the live in-buffer max.
 
     Same arguments and contract as :class:`torchrl.data.PrioritizedSampler` (Schaul et al.
@@ -138,8 +62,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
     * The trees need no compiled TorchRL extension. Two backends: numba's compiled loops on
       the CPU (the default when numba is installed) and pure torch (CPU or CUDA, the
-      default without numba or for CUDA storages); ``backend`` picks one. Both are batched:
-      ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
+      default without numba or for CUDA storages); ``backend`` picks one. Fed the same calls,
+      both hold bit-for-bit the same priorities and draw the same indices with the same
+      weights. Both are batched: ``update_priority`` costs O(k log capacity), ``sample``
+      O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
       (also coordinates whose count is not ``storage.ndim``) and indices outside the stored
       range raise :class:`ValueError` (a :class:`PriorityShapeError`, also a
@@ -269,15 +195,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         self._check_mass(self._default_value(), what="initial_priority")
 
     # ------------------------------------------------------------------ state
-    def _new_trees(self, slots: int, backend: str | None = None) -> PriorityTrees:
+    def _new_trees(self, slots: int, backend: str | None = None) -> PriorityTreeBackend:
         """Empty trees over ``slots`` slots on this sampler's device and tree backend."""
         choice = self._backend_choice if backend is None else backend
         return make_trees(slots, backend=choice, device=self._device)
-
-    @property
-    def _fused(self) -> bool:
-        """Whether the trees run the compiled (numba) check/write/sample kernels."""
-        return self._trees.backend == "numba"
 
     def _init(self) -> None:
         self._slots = self._max_capacity
@@ -347,15 +268,9 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             return
         device = self._tree_device_from_storage(storage)
         if device is not None and device != self._trees.device:
-            old = self._trees
-            if self._backend_choice is None and device.type != "cpu" and old.backend != "torch":
-                # numba trees live on the CPU: follow the storage on the torch backend
-                trees = make_trees(self._slots, backend="torch", device=device)
-                trees.set_leaves(old.leaf_mass(), old.raw())
-            else:
-                # move, keeping the priorities (TorchRL resets them); a backend that cannot
-                # live there raises before anything changes
-                trees = old.to(device)
+            # keeping the priorities (TorchRL resets them); raises before anything changes
+            # where the chosen backend cannot live
+            trees = move_trees(self._trees, device, backend=self._backend_choice)
             self._trees, self._device = trees, device
 
     @property
@@ -412,7 +327,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 self._check_mass(p_max, alpha=alpha, what="alpha")
             self._alpha = alpha
             raw = self._trees.raw()
-            self._trees.set_leaves(self._mass(raw), raw)
+            f32 = self.dtype == torch.float32
+            self._trees.set_leaves(mass_of(raw, self._eps, alpha, f32), raw)
         self._alpha_as_given = value
 
     @property
@@ -452,54 +368,10 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         value = min(live, self._upper_priority)
         return torch.tensor(value, dtype=self.dtype, device=self.device)
 
-    def _mass_limit(self) -> float:
-        """Masses must stay below this (see :meth:`_check_mass`)."""
-        f32 = self.dtype == torch.float32
-        return _FLOAT32_LIMIT if f32 else sys.float_info.max / self._slots
-
-    def _mass_bound(self) -> float:
-        """A mass below this fits for sure (see :meth:`_check_mass`, which decides the rest)."""
-        return self._mass_limit() * (1 - 1e-12)
-
     def _check_mass(self, p_max: float, *, alpha: float | None = None, what: str) -> None:
-        """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1).
-
-        float32: the mass must round to a finite float32. float64: the sum over every slot
-        must stay finite, so the mass must be below ``float64 max / slots``.
-        """
-        if p_max == -math.inf:  # nothing stored, or a write of only -1 markers: no mass
-            return
+        """Raise :class:`PriorityOverflowError` if ``(p_max + eps) ** alpha`` overflows. O(1)."""
         alpha = self._alpha if alpha is None else alpha
-        limit = self._mass_limit()
-        try:
-            mass = (p_max + self._eps) ** alpha
-        except OverflowError:
-            mass = math.inf
-        if mass < self._mass_bound():
-            return
-        exact = torch.pow(torch.tensor(p_max, dtype=torch.float64) + self._eps, alpha)
-        if float(exact) < limit and math.isfinite(float(exact.to(self.dtype))):
-            return
-        dtype = str(self.dtype).removeprefix("torch.")
-        if what == "initial_priority":
-            cause = f"initial_priority={p_max!r} gives a"
-            fix = "lower initial_priority or alpha"
-        elif what == "alpha":
-            cause = f"setting alpha={alpha} would give the stored priority {p_max!r} a"
-            fix = "lower the priorities first, keep a smaller alpha"
-        else:
-            cause = f"priority {p_max!r} gives a"
-            fix = "rescale the priorities (e.g. clip TD errors), lower alpha"
-        raise PriorityOverflowError(
-            f"{cause} sampling mass (p + eps) ** alpha = {mass:.4g} that does not fit "
-            f"dtype={dtype} (limit {limit:.4g}); {fix} or build the sampler with "
-            "dtype=torch.float64; nothing was changed"
-        )
-
-    def _mass(self, raw: torch.Tensor) -> torch.Tensor:
-        raw = raw if raw.dtype == torch.float64 else raw.to(torch.float64)
-        mass = torch.pow(raw + self._eps, self._alpha)
-        return mass if self.dtype == torch.float64 else mass.to(self.dtype)
+        check_mass(p_max, self._eps, alpha, self.dtype == torch.float32, self._slots, what)
 
     # ------------------------------------------------------------------ writes
     def add(self, index: int | torch.Tensor) -> None:
@@ -594,9 +466,8 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         Repeated indices: the last occurrence wins, as in TorchRL.
         """
         self._maybe_init_from_storage(storage)
-        if (  # numba fast path: flat CPU indices and float priorities go straight to the kernels
-            self._fused
-            and type(index) is torch.Tensor
+        if (  # fast path: flat indices and float priorities on the CPU trees, as they are
+            type(index) is torch.Tensor
             and type(priority) is torch.Tensor
             and index.dtype == torch.long
             and index.ndim == 1
@@ -605,6 +476,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             and index.is_cpu
             and priority.is_cpu
             and index.numel() > 0
+            and self._trees.device.type == "cpu"
         ):
             if priority.ndim != 1 or priority.requires_grad:
                 priority = priority.detach().reshape(-1)
@@ -636,104 +508,22 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         Repeated slots: the last occurrence wins, as in TorchRL. Atomic: any bad entry raises
         before anything is written.
         """
-        if self._fused:  # numba: one call checks, then writes; no temporaries
-            index_np, raw_np = flat.numpy(), raw.numpy()
-            f32 = self.dtype == torch.float32
-            status, p_max, i_max = self._trees.check_and_write(
-                index_np, raw_np, stored, self._eps, self._alpha, f32, self._mass_bound()
-            )
-            if i_max >= self._written_end:
-                self._written_end = i_max + 1
-            if status == _CHECK_MASS:  # near the limit: the exact check raises or passes
-                self._check_mass(p_max, what="priority")
-                self._trees.write_priorities(index_np, raw_np, self._eps, self._alpha, f32)
-            elif status != _OK:
-                self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
-                raise AssertionError(f"unreported bad priority write (status {status})")
-        elif flat.numel() <= max(self._slots // 16, self._bulk_chunk):
-            raw = raw if raw.dtype == torch.float64 else raw.to(torch.float64)
-            checked = self._validate(flat, raw, stored)
-            p_max = -math.inf if checked is None else checked[2]
-            if checked is not None:
-                self._write_torch(checked[0], checked[1], i_max=checked[3])
-        else:
-            # Chunks of at most capacity / 16 items bound the temporaries of a bulk write; all
-            # chunks are checked before any is written, and later chunks overwrite earlier
-            # ones, so the last occurrence of a slot still wins.
-            raw = raw.expand(flat.shape)
-            step = max(self._slots // 16, self._bulk_chunk)
-            chunks = [(flat[i : i + step], raw[i : i + step]) for i in range(0, raw.numel(), step)]
-            if len(chunks) > 1:
-                for index, values in chunks:
-                    self._validate(index, values.to(torch.float64), stored)
-            p_max = -math.inf
-            for index, values in chunks:
-                checked = self._validate(index, values.to(torch.float64), stored)
-                if checked is not None:
-                    p_max = max(p_max, checked[2])
-                    self._write_torch(checked[0], checked[1], i_max=checked[3], rebuild=False)
-            self._trees.rebuild()  # once, after the leaves of every chunk
+        f32 = self.dtype == torch.float32
+        p_max, i_max = self._trees.check_and_write(flat, raw, stored, self._eps, self._alpha, f32)
+        if i_max >= self._written_end:
+            self._written_end = i_max + 1
         if not self._max_priority_within_buffer and p_max > self._all_time_max:
-            # Rare (a new all-time max): find its slot for the _max_priority view. O(k).
-            checked = self._validate(flat, raw.to(torch.float64).expand(flat.shape), stored)
-            if checked is not None:
-                self._all_time_at = int(checked[0][checked[1].argmax()])
-            self._all_time_max = p_max
+            self._new_all_time_max(flat, raw, p_max)
 
-    _bulk_chunk = 1 << 16  # smallest chunk of a bulk write on the torch backend
+    def _new_all_time_max(self, flat: torch.Tensor, raw: torch.Tensor, p_max: float) -> None:
+        """Note a new all-time max priority and its slot, for the ``_max_priority`` view.
 
-    def _write_torch(
-        self, flat: torch.Tensor, raw: torch.Tensor, *, i_max: int, rebuild: bool = True
-    ) -> None:
-        """Write checked float64 priorities (one per slot, or one for all) on the torch backend.
-
-        The trees resolve repeated slots themselves (the last occurrence wins); ``i_max`` is
-        the largest slot of ``flat``. ``rebuild=False`` writes the leaves only: the caller
-        rebuilds after its last chunk.
+        Rare (O(k)): the first slot written with ``p_max`` (``-1`` markers skipped).
         """
-        self._trees.update(flat, self._mass(raw), raw, rebuild=rebuild)
-        self._written_end = max(self._written_end, i_max + 1)
-
-    def _validate(
-        self, flat: torch.Tensor, raw: torch.Tensor, stored: int
-    ) -> tuple[torch.Tensor, torch.Tensor, float, int] | None:
-        """Drop ``-1`` markers, check ranges; raise ValueError naming bad entries. O(k).
-
-        Returns ``(flat, raw, max priority, max slot)`` for the entries to write, or ``None``
-        if every entry is a ``-1`` marker.
-        """
-        # Two fused reductions validate the common (valid) case; ``raw`` may be one value.
-        bounds = [*torch.aminmax(flat), *(torch.aminmax(raw) if raw.numel() > 1 else (raw, raw))]
-        if flat.is_cpu:  # reading a CPU scalar is cheaper than stacking four
-            i_min, i_max, p_min, p_max = (value.item() for value in bounds)
-        else:  # one host sync
-            i_min, i_max, p_min, p_max = torch.stack(
-                [value.to(torch.float64).reshape(()) for value in bounds]
-            ).tolist()
-        if i_min == -1:  # MaxValueWriter's "do not update" marker
-            keep = flat != -1
-            flat, raw = flat[keep], raw[keep] if raw.numel() > 1 else raw
-            return self._validate(flat, raw, stored) if flat.numel() else None
-        if not (i_min >= 0 and i_max < stored and p_min >= 0 and p_max < math.inf):
-            raw = raw.expand(flat.shape)
-            bad_p = ~((raw >= 0) & (raw < math.inf))
-            bad_i = (flat < 0) | (flat >= stored)
-            problems = []
-            if bool(bad_i.any()):
-                shown = flat[bad_i]
-                more = f" (and {shown.numel() - 5} more)" if shown.numel() > 5 else ""
-                problems.append(
-                    f"index outside the stored range [0, {stored}): {shown[:5].tolist()}{more} "
-                    "(pass indices of stored items, e.g. the 'index' a sample returned)"
-                )
-            if bool(bad_p.any()):
-                problems.append(
-                    f"priority must be finite and >= 0, got {_show(flat, raw, bad_p)} (pass e.g. "
-                    "td_error.abs(); torch.nan_to_num replaces NaN and inf)"
-                )
-            raise ValueError("; ".join(problems) + "; nothing was updated")
-        self._check_mass(p_max, what="priority")  # the mass is monotone: check the largest
-        return flat, raw, p_max, int(i_max)
+        keep = flat != -1
+        raw = raw.expand(flat.shape)[keep]
+        self._all_time_at = int(flat[keep][raw.argmax()])
+        self._all_time_max = p_max
 
     @_locked
     def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
@@ -747,43 +537,15 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         if flat.numel() == 0:
             return
         stored = self._stored(storage)
-        if not self._fused:
-            self._mark_update_torch(flat, stored)
-            return
-        zero = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self._max_priority_within_buffer:
-            index_np = flat.numpy()
-            status, _, _ = self._trees.check_priorities(
-                index_np, zero.numpy(), stored, self._eps, self._alpha, False
-            )
-            if status != _OK:  # raises before any change
-                self._validate(flat, zero.expand(flat.shape), stored)
-            self._trees.clear_if_holds_max(index_np)
-        self._write(flat, zero.fill_(self._default_value()), stored)
-
-    def _mark_update_torch(self, flat: torch.Tensor, stored: int) -> None:
-        """:meth:`mark_update` on the torch backend: one value for all, so no dedupe. O(k log)."""
-        i_min, i_max = (value.item() for value in torch.aminmax(flat))
-        if not 0 <= i_min <= i_max < stored:  # -1 markers, or a bad index (raises first)
-            zero = torch.zeros(1, dtype=torch.float64, device=self.device)
-            checked = self._validate(flat, zero, stored)
-            if checked is None:
-                return
-            flat, i_max = checked[0], checked[3]
-        trees = self._trees
-        # Clear the overwritten slots first if one of them holds the live max.
         within = self._max_priority_within_buffer
-        if within and trees.max_raw_of(flat) >= trees.max_raw():
-            trees.clear(flat)
-        value = self._default_value()
-        self._check_mass(value, what="priority")
-        mass = (value + self._eps) ** self._alpha  # as the numba backend computes it
-        if self.dtype == torch.float32:
-            mass = float(np.float32(mass))
-        trees.update(flat, mass, value)
-        self._written_end = max(self._written_end, int(i_max) + 1)
-        if not within and value > self._all_time_max:
-            self._all_time_at, self._all_time_max = int(flat[0]), value
+        f32 = self.dtype == torch.float32
+        value, i_max = self._trees.mark_update(
+            flat, stored, self._eps, self._alpha, f32, self._default_value, within
+        )
+        if i_max >= self._written_end:
+            self._written_end = i_max + 1
+        if not within and value > self._all_time_max:  # rare: note where (the first slot)
+            self._all_time_at, self._all_time_max = int(flat[flat != -1][0]), value
 
     # ------------------------------------------------------------------ sampling
     @_locked
@@ -822,239 +584,15 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
         rng = self._rng
         rand_device = rng.device if rng is not None else self.device
         draw = torch.rand(batch_size, dtype=torch.float64, device=rand_device, generator=rng)
-        if self._fused:  # one compiled pass: descent, leaf mass and weight
-            f32 = self.dtype == torch.float32
-            draw_np = draw.numpy() if rand_device.type == "cpu" else draw.cpu().numpy()
-            index, weight = self._trees.sample(draw_np, total, m_min, self._beta, f32, limit)
-        else:
-            draw = draw if rand_device == self._trees.device else draw.to(self._trees.device)
-            index, mass = self._trees.search_with_mass(draw.mul_(total))
-            if limit is not None:
-                index, mass = self._below(index, mass, limit)
-            weight = torch.pow(mass / m_min, -self._beta).to(self.dtype)
+        f32 = self.dtype == torch.float32
+        index, weight = self._trees.sample(draw, total, m_min, self._beta, f32, limit)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
 
-    def _below(
-        self, index: torch.Tensor, mass: torch.Tensor, limit: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move drawn slots at or past ``limit`` (rounding) to the last one below with mass.
-
-        O(batch), plus O(limit) if a slot moves (rare).
-        """
-        over = index >= limit
-        if not bool(over.any()):
-            return index, mass
-        below = self._trees.leaf_mass()[:limit]
-        last = int(below.nonzero()[-1])
-        return torch.where(over, last, index), torch.where(over, below[last], mass)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _metadata(self) -> dict[str, Any]:
-        return {
-            "_format": _FORMAT,
-            "_schema_version": _SCHEMA_VERSION,
-            "_max_capacity": self._max_capacity,
-            "_alpha": self._alpha,
-            "_beta": self._beta,
-            "_eps": self._eps,
-            "_upper_priority": self._upper_priority,
-            "_initial_priority": self._initial_priority,
-            "_all_time_max": self._all_time_max,
-            "_max_priority_within_buffer": self._max_priority_within_buffer,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "_all_time_index": self._all_time_index(),
-        }
-
     def _all_time_index(self) -> int | None:
         """Slot where the all-time max priority was set (``max_priority_within_buffer=False``)."""
         return self._all_time_at
-
-    def _checked(
-        self, metadata: Any, mass: Any, raw: Any, source: str
-    ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
-        """Validate a checkpoint completely before anything is assigned. O(capacity)."""
-        if not isinstance(metadata, dict) or metadata.get("_format") != _FORMAT:
-            keys = set(metadata) if isinstance(metadata, dict) else set()
-            if {"_sum_tree", "_min_tree"} & keys or source == "torchrl folder":
-                raise CheckpointError(
-                    f"this {'folder' if 'folder' in source else 'state dict'} was written by "
-                    "torchrl.data.PrioritizedSampler (compiled _sum_tree/_min_tree), which "
-                    "fastreplay.PrioritizedSampler cannot read: load it with TorchRL's class, "
-                    "or rebuild the priorities here with update_priority; nothing was changed"
-                )
-            raise CheckpointError(
-                "this checkpoint was not written by fastreplay.PrioritizedSampler (no "
-                f"'_format': {_FORMAT!r}); load it with the sampler class that saved it; "
-                "nothing was changed"
-            )
-        required = (
-            "_max_capacity", "_alpha", "_beta", "_eps", "_upper_priority", "_initial_priority",
-            "_all_time_max", "_max_priority_within_buffer", "dtype",
-        )  # fmt: skip
-        missing = [key for key in required if key not in metadata]
-        if missing or mass is None or raw is None:
-            missing += [k for k, v in (("_mass", mass), ("_raw", raw)) if v is None]
-            raise CheckpointError(
-                f"fastreplay.PrioritizedSampler checkpoint is missing {missing}; it was "
-                "truncated or edited; nothing was changed"
-            )
-        if metadata["_max_capacity"] != self._max_capacity:
-            raise CheckpointError(
-                f"checkpoint max_capacity={metadata['_max_capacity']} differs from this "
-                f"sampler's max_capacity={self._max_capacity}; build the sampler with the "
-                "saved capacity; nothing was changed"
-            )
-        mass = torch.as_tensor(mass).reshape(-1)
-        raw = torch.as_tensor(raw).reshape(-1)
-        if mass.numel() != raw.numel() or mass.numel() < self._max_capacity:
-            raise CheckpointError(
-                f"checkpoint leaf arrays have {mass.numel()} masses and {raw.numel()} raw "
-                f"priorities, expected the same number, at least max_capacity="
-                f"{self._max_capacity}; the checkpoint is damaged; nothing was changed"
-            )
-        dtype = getattr(torch, str(metadata["dtype"]), None)
-        if dtype not in _FLOAT_DTYPES:
-            raise CheckpointError(
-                f"checkpoint dtype={metadata['dtype']!r} is not float32 or float64; "
-                "nothing was changed"
-            )
-        try:
-            scalars = {key: _scalar(metadata[key], key.lstrip("_")) for key in required[1:6]}
-        except TypeError as error:
-            raise CheckpointError(
-                f"{error}; the checkpoint is damaged; nothing was changed"
-            ) from error
-        return {**metadata, **scalars}, mass, raw
-
-    def _restore(self, metadata: Any, mass: Any, raw: Any, source: str = "state dict") -> None:
-        metadata, mass, raw = self._checked(metadata, mass, raw, source)
-        # Everything is validated: from here on nothing raises.
-        if mass.numel() > self._slots:
-            self._grow(mass.numel())
-        pad = self._slots - mass.numel()
-        mass = torch.cat([mass.to(torch.float64), mass.new_zeros(pad, dtype=torch.float64)])
-        raw = torch.cat(
-            [raw.to(torch.float64), raw.new_full((pad,), -math.inf, dtype=torch.float64)]
-        )
-        self._alpha = self._alpha_as_given = metadata["_alpha"]
-        self._beta = self._beta_as_given = metadata["_beta"]
-        self._eps = metadata["_eps"]
-        self._upper_priority = float(metadata["_upper_priority"])
-        self._initial_priority = float(metadata["_initial_priority"])
-        self._all_time_max = float(metadata["_all_time_max"])
-        index = metadata.get("_all_time_index")
-        self._all_time_at = None if index is None else int(index)
-        self._max_priority_within_buffer = bool(metadata["_max_priority_within_buffer"])
-        self.dtype = getattr(torch, metadata["dtype"])
-        self._trees.set_leaves(mass, raw)
-        self._written_end = self._find_written_end()
-
-    @_locked
-    def state_dict(self) -> dict[str, Any]:
-        """Hyper-parameters plus the leaf arrays (mass and raw priority), cloned. O(capacity)."""
-        return {
-            **self._metadata(),
-            "_mass": self._trees.leaf_mass().cpu(),
-            "_raw": self._trees.raw().cpu(),
-        }
-
-    @_locked
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output exactly; trees rebuilt vectorized in O(capacity).
-
-        Raises:
-            CheckpointError: a TorchRL sampler's state dict, another capacity, or missing or
-                damaged entries. Checked before anything changes.
-        """
-        get = state_dict.get if isinstance(state_dict, dict) else lambda key: None
-        self._restore(state_dict, get("_mass"), get("_raw"))
-
-    @_locked
-    def dumps(self, path: str | Path) -> None:
-        """Write ``sampler_metadata.json`` and two ``.npy`` leaf arrays under ``path``."""
-        path = Path(path).absolute()
-        path.mkdir(parents=True, exist_ok=True)
-        np.save(path / "priority_mass.npy", self._trees.leaf_mass().cpu().numpy())
-        np.save(path / "priority_raw.npy", self._trees.raw().cpu().numpy())
-        with open(path / "sampler_metadata.json", "w") as file:
-            json.dump(self._metadata(), file)
-
-    @_locked
-    def loads(self, path: str | Path) -> None:
-        """Load what :meth:`dumps` wrote; O(capacity), vectorized.
-
-        Raises:
-            CheckpointError: a TorchRL ``dumps`` folder, another capacity, or missing or
-                damaged files. Checked before anything changes.
-        """
-        path = Path(path).absolute()
-        with open(path / "sampler_metadata.json") as file:
-            metadata = json.load(file)
-        if metadata.get("_format") != _FORMAT:
-            torchrl = (path / "sumtree.memmap").exists()
-            self._checked(metadata, None, None, "torchrl folder" if torchrl else "folder")
-        files = [path / "priority_mass.npy", path / "priority_raw.npy"]
-        mass, raw = (torch.from_numpy(np.load(f)) if f.exists() else None for f in files)
-        self._restore(metadata, mass, raw, "folder")
-
-    # ------------------------------------------------------------------ TorchRL's private views
-    @property
-    def _sum_tree(self) -> SumTreeView:
-        """Read-only view answering like TorchRL's compiled sum tree.
-
-        Supports ``[i]``, ``at``, ``query``, ``scan_lower_bound``; backed by this sampler's trees.
-        """
-        return SumTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
-
-    @_sum_tree.setter
-    def _sum_tree(self, value: Any) -> None:
-        raise AttributeError(
-            "_sum_tree is a read-only view of fastreplay's priority trees; use "
-            "update_priority or load_state_dict to change priorities"
-        )
-
-    @property
-    def _min_tree(self) -> MinTreeView:
-        """Read-only view answering like TorchRL's compiled min tree (``[i]``, ``query``)."""
-        return MinTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
-
-    @_min_tree.setter
-    def _min_tree(self, value: Any) -> None:
-        raise AttributeError(
-            "_min_tree is a read-only view of fastreplay's priority trees; use "
-            "update_priority or load_state_dict to change priorities"
-        )
-
-    @property
-    def _max_priority(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(max priority, its flat slot)`` as TorchRL keeps it, or ``(None, None)``.
-
-        With ``max_priority_within_buffer=True`` the live max over stored items and its slot
-        (O(capacity) to find the slot); otherwise the all-time max and where it was set.
-        Values are 0-dim tensors on :attr:`device` (the priority in ``dtype``).
-        """
-        if self._max_priority_within_buffer:
-            value = self._trees.max_raw()
-            if value == -math.inf:
-                return None, None
-            index: int | None = int(torch.argmax(self._trees.raw()))
-        else:
-            value = self._all_time_max
-            if value == -math.inf:
-                return None, None
-            index = self._all_time_index()
-        priority = torch.tensor(value, dtype=self.dtype, device=self.device)
-        slot = None if index is None else torch.tensor(index, device=self.device)
-        return priority, slot
-
-    @_max_priority.setter
-    def _max_priority(self, value: Any) -> None:
-        raise AttributeError(
-            "_max_priority is a read-only view in fastreplay: the max priority is derived "
-            "from the stored priorities (see default_priority, upper_priority)"
-        )
 
     def __repr__(self) -> str:
         return (
