@@ -10,7 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastreplay._memory import HUGE_PAGE, MIN_BYTES, huge_pages_advised, large_zeros
+from fastreplay._memory import (
+    HUGE_PAGE,
+    MIN_BYTES,
+    advise_huge_pages,
+    huge_pages_advised,
+    large_zeros,
+)
 from fastreplay._tree_backends import available_backends
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -99,3 +105,46 @@ def test_large_numba_trees_live_on_advised_memory_and_pickle_back_there() -> Non
         assert (tree.total(), tree.min_mass(), tree.max_raw()) == (6.0, 1.0, 3.0)
     copy.update(torch.tensor([7]), torch.tensor([5.0]), torch.tensor([5.0]))  # its own trees
     assert (copy.total(), trees.total()) == (9.0, 6.0)
+
+
+def test_advice_covers_only_whole_huge_pages_inside_the_range() -> None:
+    array = large_zeros((4 * HUGE_PAGE,), np.uint8)
+    start = array.ctypes.data
+    if huge_pages_advised(array.nbytes):
+        # [start + 1, start + 1 + 6 MiB) holds the whole pages [start + 2 MiB, start + 6 MiB)
+        assert advise_huge_pages(start + 1, 3 * HUGE_PAGE) == 2 * HUGE_PAGE
+        assert advise_huge_pages(start, 4 * HUGE_PAGE) == 4 * HUGE_PAGE
+    assert advise_huge_pages(start + 1, HUGE_PAGE) == 0  # no whole huge page inside
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or _thp_mode() not in ("always", "madvise"),
+    reason="transparent huge pages are not available (not Linux, or set to 'never')",
+)
+@pytest.mark.parametrize("delayed_init", [False, True])
+def test_a_lazy_storage_s_rows_after_the_first_write_get_huge_pages(delayed_init) -> None:
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage
+
+    import fastreplay
+
+    rows = 3 * MIN_BYTES // 16  # obs float32[4]: 16 bytes a row
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=LazyTensorStorage(rows), batch_size=8, delayed_init=delayed_init
+    )
+    first = TensorDict(obs=torch.arange(40.0).reshape(10, 4), batch_size=[10])
+    rb.extend(first)
+    rest = TensorDict(obs=torch.ones(rows - 10, 4), batch_size=[rows - 10])
+    rb.extend(rest)
+    obs = rb.storage._storage["obs"]
+    assert torch.equal(obs[:10], first["obs"]) and bool((obs[10:] == 1).all())
+    middle = obs.data_ptr() + obs.untyped_storage().nbytes() // 2
+    assert _anon_huge_kib(middle) > 0
+
+
+def test_the_environment_variable_turns_the_advice_off(monkeypatch) -> None:
+    monkeypatch.setenv("FASTREPLAY_HUGE_PAGES", "0")
+    array = large_zeros((MIN_BYTES,), np.uint8)
+    assert array.flags.owndata and not huge_pages_advised(array.nbytes)
+    assert advise_huge_pages(array.ctypes.data, array.nbytes) == 0

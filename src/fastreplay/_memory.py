@@ -5,9 +5,11 @@ touches a few hundred scattered lines of it. With 4 KiB pages most of those acce
 the TLB, and each miss walks the page tables before the load can start; 2 MiB pages cover the
 same tree with a few entries. :func:`large_zeros` allocates such arrays from anonymous memory
 aligned to 2 MiB and advised ``MADV_HUGEPAGE``, which Linux honours where transparent huge
-pages are set to ``always`` or ``madvise`` (the common default). Elsewhere (other systems,
-huge pages set to ``never``, small arrays) it is plain ``numpy.zeros``: the only difference is
-speed.
+pages are set to ``always`` or ``madvise`` (the common default); :func:`advise_huge_pages`
+gives the same advice for memory allocated elsewhere (a storage's fresh tensors). Elsewhere
+(other systems, huge pages set to ``never``, small arrays) nothing is advised: the only
+difference is speed. Setting the environment variable ``FASTREPLAY_HUGE_PAGES=0`` turns the
+advice off (for example where a system's huge-page compaction stalls are not wanted).
 
 The memory is private to the process (``MAP_PRIVATE``): a forked child gets a copy-on-write
 view, as with ``numpy.zeros``, and pickling copies the values.
@@ -23,12 +25,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
+import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["HUGE_PAGE", "MIN_BYTES", "huge_pages_advised", "large_zeros"]
+__all__ = ["HUGE_PAGE", "MIN_BYTES", "advise_huge_pages", "huge_pages_advised", "large_zeros"]
 
 HUGE_PAGE = 2 << 20  # the x86-64 / arm64 transparent huge page size
 MIN_BYTES = 2 * HUGE_PAGE  # below this, the few 4 KiB pages stay cached anyway
@@ -37,9 +42,14 @@ _PRIVATE = getattr(mmap, "MAP_PRIVATE", None)
 _ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)
 
 
+def _enabled() -> bool:
+    """Huge pages are advised unless ``FASTREPLAY_HUGE_PAGES=0``; read at each call. O(1)."""
+    return os.environ.get("FASTREPLAY_HUGE_PAGES", "1").strip() != "0"
+
+
 def huge_pages_advised(nbytes: int) -> bool:
     """Whether :func:`large_zeros` of ``nbytes`` bytes asks for huge pages here. O(1)."""
-    return nbytes >= MIN_BYTES and None not in (_ADVICE, _PRIVATE, _ANONYMOUS)
+    return nbytes >= MIN_BYTES and None not in (_ADVICE, _PRIVATE, _ANONYMOUS) and _enabled()
 
 
 def large_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -70,3 +80,34 @@ def large_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     raw = np.frombuffer(mapping, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def advise_huge_pages(address: int, nbytes: int) -> int:
+    """Advise huge pages for the whole 2 MiB pages inside ``[address, address + nbytes)``.
+
+    For memory that is already allocated but not yet written (a fresh ``torch.empty``): the
+    pages written from then on can be huge pages. Pages already written keep their size. The
+    advice changes no values. O(1).
+
+    Returns:
+        The number of bytes advised: 0 where the range holds no whole huge page, or where the
+        system has no such advice.
+    """
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    stop = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if stop - start < HUGE_PAGE or _ADVICE is None or not _enabled() or _libc() is None:
+        return 0
+    done = _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _ADVICE)
+    return stop - start if done == 0 else 0
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library's ``madvise``, or None where it cannot be loaded."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):  # pragma: no cover - not a POSIX C library
+        return None
+    return libc
