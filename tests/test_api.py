@@ -137,6 +137,7 @@ def test_slice_sampler_module_does_not_import_its_subclasses() -> None:
 _CORES = (
     "_epoch_permutation.py",
     "_fast_io.py",
+    "_memory.py",
     "_numba_kernels.py",
     "_pinning.py",
     "_segment_tree.py",

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastreplay._memory import huge_pages_advised, large_zeros
 from fastreplay._numba_kernels import (
     _CLEARED,
     BAD_INDEX,
@@ -131,7 +132,8 @@ class NumbaPriorityTrees:
         # The kernels hold the address of this NumPy array, which owns its memory: unlike a
         # tensor's storage, nothing moves it (pickling a tensor for another process moves
         # its storage to shared memory, which would leave a NumPy view of it dangling).
-        self._tree = np.empty((3, columns), dtype=np.float64)
+        # Large trees sit on huge pages where the system offers them (fewer TLB misses).
+        self._tree = large_zeros((3, columns), np.float64)
         self._attach()
         self.reset()
 
@@ -154,10 +156,13 @@ class NumbaPriorityTrees:
             state = {**state, "_tree": state["_data"].numpy().copy()}
             state.pop("_data")
         tree = state["_tree"]
-        if not (tree.flags.writeable and tree.flags.owndata):
+        if not (tree.flags.writeable and tree.flags.owndata) or huge_pages_advised(tree.nbytes):
             # Unpickled out of band (pickle protocol 5, as Ray does): a view of a read-only
-            # buffer that the kernels must not write into, nor outlive. O(capacity).
-            state = {**state, "_tree": np.array(tree, order="C", copy=True)}
+            # buffer that the kernels must not write into, nor outlive. A large tree moves to
+            # huge pages as when it was built. O(capacity).
+            copy = large_zeros(tree.shape, np.float64)
+            copy[...] = tree
+            state = {**state, "_tree": copy}
         self.__dict__.update(state)
         self._attach()
 

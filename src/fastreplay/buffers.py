@@ -31,6 +31,7 @@ from fastreplay import _pinning
 from fastreplay._fast_path import FastPathMixin
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
+from fastreplay._storage_pages import HugePageStorageMixin
 from fastreplay._torchrl import RandomSampler
 from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
 from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
@@ -332,7 +333,9 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     return torch.as_tensor(value, device=device)
 
 
-class TensorDictReplayBuffer(_PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLBuffer):
+class TensorDictReplayBuffer(
+    HugePageStorageMixin, _PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLBuffer
+):
     """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
@@ -389,7 +392,11 @@ class TensorDictReplayBuffer(_PinnedSampleMixin, FastPathMixin, SharedBufferChec
 
 
 class TensorDictPrioritizedReplayBuffer(
-    _PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLPrioritizedBuffer
+    HugePageStorageMixin,
+    _PinnedSampleMixin,
+    FastPathMixin,
+    SharedBufferChecks,
+    _TorchRLPrioritizedBuffer,
 ):
     """TorchRL's ``TensorDictPrioritizedReplayBuffer`` with fastreplay's sampler, pinned in full.
 
