@@ -403,9 +403,9 @@ class TensorDictPrioritizedReplayBuffer(
     Same arguments and behaviour as :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`,
     with two differences:
 
-    - the sampler is :class:`fastreplay.PrioritizedSampler` (pure torch, so it works where
-      TorchRL's compiled segment trees do not load; new items get the live max priority of
-      what is still stored);
+    - the sampler is :class:`fastreplay.PrioritizedSampler` (compiled numba trees where numba
+      is installed, pure torch otherwise, so it works where TorchRL's compiled segment trees
+      do not load; new items get the live max priority of what is still stored);
     - the ``pin_memory`` and ``device`` behaviour of :class:`TensorDictReplayBuffer`
       (``priority_weight`` and ``index`` are pinned too).
 
