@@ -138,6 +138,7 @@ _CORES = (
     "_epoch_permutation.py",
     "_fast_io.py",
     "_memory.py",
+    "_numba_jit.py",
     "_numba_kernels.py",
     "_pinning.py",
     "_segment_tree.py",

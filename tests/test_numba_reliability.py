@@ -156,10 +156,10 @@ _IMPORT = textwrap.dedent(
             sys.exit(f"{path} is writable: the scenario does not hold")
     warnings.simplefilter("error")  # as in a test suite: a warning would fail the import
     import fastreplay
-    from fastreplay import PrioritizedSampler, _numba_kernels
+    from fastreplay import PrioritizedSampler, _numba_jit
 
     assert os.path.samefile(fastreplay.__file__, sys.argv[1]), fastreplay.__file__
-    print("cache:", _numba_kernels._cache)
+    print("cache:", _numba_jit._cache)
     if sys.argv[2] == "read-only":  # the kernels compile without a cache, and run
         sampler = PrioritizedSampler(8, 1.0, 1.0, eps=0.0, backend="numba")
         sampler.update_priority(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))

@@ -5,30 +5,17 @@ the mass, negated min of the raw priorities; levels back to back, leaves first) 
 ``offsets``/``sizes`` of its levels. The functions are plain Python when numba is missing;
 they are then never called (only constructing the trees needs numba).
 
-``_prefetch`` hints the CPU to load a cache line without waiting for it: a search or update
-issues the loads of many independent nodes back to back, so their misses overlap.
-
-The kernels are cached on disk (numba's ``cache=True``: a ``__pycache__`` next to this module,
-the user's cache dir, or ``NUMBA_CACHE_DIR``). Where none of them is writable (a read-only
-install), they are compiled without a cache in every process instead, and one message on the
-``fastreplay`` logger says how to enable it (a logged message, not a warning: importing must
-keep working where warnings are errors).
+Compiling, caching and the ``_prefetch`` hint are in :mod:`fastreplay._numba_jit`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any
 
 import numpy as np
 
-try:  # optional dependency: ``pip install numba``
-    import numba
-except ImportError:  # pragma: no cover - depends on the environment
-    numba = None
+from fastreplay._numba_jit import NUMBA_AVAILABLE, _jit, _prefetch, numba
 
-NUMBA_AVAILABLE = numba is not None
 _INF = math.inf
 
 # Leaf writes prefetch the leaf this many writes ahead: enough to cover a memory access,
@@ -38,70 +25,7 @@ _AHEAD = 32
 # Status codes returned by the fused sampler kernels (the caller builds the error message).
 OK, BAD_INDEX, BAD_PRIORITY, OVERFLOW, CHECK_MASS = 0, 1, 2, 3, 4
 
-
-_LOG = logging.getLogger(__name__)
-_NO_CACHE = (
-    "numba cannot cache fastreplay's compiled kernels: neither the __pycache__ folder next to "
-    "%s nor the user's cache dir is writable, so every new process compiles them again (a few "
-    "seconds at first use). To cache them, set the environment variable "
-    "NUMBA_CACHE_DIR=/some/writable/dir before importing fastreplay."
-)
-_cache = True  # False once numba found no writable cache location (checked on the first kernel)
-
-
-def _jit(fn: Any = None, **options: Any) -> Any:
-    """``numba.njit(cache=True)``; without a cache where numba finds no writable location."""
-    global _cache
-    if fn is None:
-        return lambda f: _jit(f, **options)
-    if numba is None:
-        return fn
-    if _cache:
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError as error:  # "cannot cache function ...: no locator available ..."
-            if "cannot cache" not in str(error):
-                raise
-            _cache = False
-            _LOG.warning(_NO_CACHE, __file__)
-    return numba.njit(**options)(fn)
-
-
-if numba is not None:
-    from llvmlite import ir
-    from numba.core import cgutils, types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def _prefetch(typingctx, array, position):  # pragma: no cover - compiled
-        """Hint the CPU to load the cache line of ``array[position]`` (no fault, no result).
-
-        A search or update then issues the loads of many independent nodes back to back, so
-        their cache and TLB misses overlap instead of stalling one after the other.
-        """
-
-        def codegen(context, builder, signature, args):
-            array_type = signature.args[0]
-            data = context.make_array(array_type)(context, builder, args[0])
-            pointer = cgutils.get_item_pointer(
-                context, builder, array_type, data, [args[1]], wraparound=False
-            )
-            i32 = ir.IntType(32)
-            function = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(ir.VoidType(), [pointer.type, i32, i32, i32]),
-                "llvm.prefetch." + pointer.type.intrinsic_name,
-            )
-            # read, keep in all cache levels, data cache
-            builder.call(function, [pointer, i32(0), i32(3), i32(1)])
-            return context.get_dummy_value()
-
-        return types.void(array, position), codegen
-
-else:  # pragma: no cover - numba absent: the kernels below are never called
-
-    def _prefetch(array: Any, position: Any) -> None:
-        return None
+__all__ = ["NUMBA_AVAILABLE", "numba"]  # and the kernels, imported by name
 
 
 @_jit
@@ -370,3 +294,40 @@ def _holds_max(tree, index, root):  # pragma: no cover - compiled
         if j >= 0 and tree[2, j] <= tree[2, root]:
             return True
     return False
+
+
+_ZERO = np.zeros(1)
+
+
+@_jit
+def _mark_update(
+    tree, offsets, sizes, b, index, stored, eps, alpha, f32, bound, initial, upper, all_time
+):  # pragma: no cover - compiled
+    """Give the slots ``index`` (``-1`` skipped) the default priority, in one call.
+
+    ``all_time``: the all-time max priority, or NaN for the live one: the slots holding the
+    live max are then cleared first, and the default is the max of what is left. The default
+    is ``initial`` while no priority is stored, and at most ``upper``.
+
+    Returns ``(status, default priority, largest slot)``. Nothing is written unless the status
+    is ``OK``; the slots may have been cleared when it is ``CHECK_MASS`` or ``BAD_PRIORITY``
+    (the default itself is out of range: the caller decides, as for :func:`_check_and_write`).
+    ``(OK, -inf, -1)``: every index is ``-1``.
+    """
+    status, _, _, i_max = _check(index, _ZERO, stored, eps, alpha, False)
+    if status != OK:
+        return status, 0.0, i_max
+    if i_max < 0:
+        return OK, -_INF, i_max
+    root = offsets[-1]
+    live = all_time != all_time  # NaN: the live max
+    if live and _holds_max(tree, index, root):
+        _write(tree, offsets, sizes, b, index[index >= 0], _CLEARED)
+    current = -tree[2, root] if live else all_time
+    value = min(initial if current == -_INF else current, upper)
+    if not (value >= 0.0 and value < _INF):
+        return BAD_PRIORITY, value, i_max
+    if not (value + eps) ** alpha < bound:
+        return CHECK_MASS, value, i_max
+    _write_priorities(tree, offsets, sizes, b, index, np.full(1, value), eps, alpha, f32)
+    return OK, value, i_max

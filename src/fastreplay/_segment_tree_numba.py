@@ -42,7 +42,6 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,10 +56,9 @@ from fastreplay._numba_kernels import (
     NUMBA_AVAILABLE,
     OK,
     OVERFLOW,
-    _check,
     _check_and_write,
     _descend,
-    _holds_max,
+    _mark_update,
     _prefix,
     _rebuild,
     _sample,
@@ -82,7 +80,6 @@ __all__ = [
 ]
 
 _INF = math.inf
-_ZERO = np.zeros(1)  # the priority a default-priority write checks its slots with
 _WEIGHT_DTYPES = (np.float64, np.float32)  # by ``f32``
 
 
@@ -317,21 +314,27 @@ class NumbaPriorityTrees:
         eps: float,
         alpha: float,
         f32: bool,
-        value: Callable[[], float],
-        clear_max: bool,
+        initial: float,
+        upper: float,
+        all_time_max: float | None,
     ) -> tuple[float, int]:
-        """Write the priority ``value()`` at every slot of ``index``. O(k log_B capacity)."""
-        index_np = index.numpy()
-        if clear_max:  # clear the slots first if one holds the live max (checked first)
-            status = _check(index_np, _ZERO, stored, eps, alpha, False)[0]
-            if status != OK:  # raises before any change
-                zero = torch.zeros(1, dtype=torch.float64).expand(index.shape)
-                validate(index, zero, stored, eps, alpha, f32, self.capacity)
-            if _holds_max(self._tree, index_np, self._root):
-                valid = index_np[index_np >= 0] if (index_np < 0).any() else index_np
-                _write(self._tree, self._offsets, self._sizes, self.branching, valid, _CLEARED)
+        """Write the default priority at every slot of ``index``, in one compiled call.
+
+        O(k log_B capacity). See :meth:`PriorityTreeBackend.mark_update`.
+        """
+        status, value, i_max = _mark_update(
+            self._tree, self._offsets, self._sizes, self.branching, index.numpy(), stored,
+            eps, alpha, f32, self._bounds[f32], initial, upper,
+            math.nan if all_time_max is None else all_time_max,
+        )  # fmt: skip
+        if status == OK:
+            return value, i_max
+        if status == BAD_INDEX:  # nothing changed: raise the error
+            zero = torch.zeros(1, dtype=torch.float64).expand(index.shape)
+            validate(index, zero, stored, eps, alpha, f32, self.capacity)
+        # the default is near the dtype's limit (or out of range): decide it exactly
         return self.check_and_write(
-            index, torch.tensor([value()], dtype=torch.float64), stored, eps, alpha, f32
+            index, torch.tensor([value], dtype=torch.float64), stored, eps, alpha, f32
         )
 
     def sample(

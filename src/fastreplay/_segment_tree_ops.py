@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -250,10 +249,14 @@ class TorchTreeOps:
         eps: float,
         alpha: float,
         f32: bool,
-        value: Callable[[], float],
-        clear_max: bool,
+        initial: float,
+        upper: float,
+        all_time_max: float | None,
     ) -> tuple[float, int]:
-        """Write the priority ``value()`` at every slot of ``index``. O(k log_B capacity)."""
+        """Write the default priority at every slot of ``index``. O(k log_B capacity).
+
+        See :meth:`fastreplay._tree_backends.PriorityTreeBackend.mark_update`.
+        """
         i_min, i_max = (bound.item() for bound in torch.aminmax(index))
         if not 0 <= i_min <= i_max < stored:  # -1 markers, or a bad index (raises first)
             zero = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -262,9 +265,10 @@ class TorchTreeOps:
                 return -math.inf, -1
             index, i_max = checked[0], checked[3]
         # One value for all: no dedupe. Clear the slots first if one holds the live max.
-        if clear_max and self.max_raw_of(index) >= self.max_raw():
+        if all_time_max is None and self.max_raw_of(index) >= self.max_raw():
             self.clear(index)
-        priority = value()
+        live = self.max_raw() if all_time_max is None else all_time_max
+        priority = min(initial if live == -math.inf else live, upper)
         check_mass(priority, eps, alpha, f32, self.capacity)
         mass = (priority + eps) ** alpha  # as the numba backend computes it
         if f32:

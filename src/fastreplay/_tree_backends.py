@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -157,14 +156,17 @@ class PriorityTreeBackend(Protocol):
         eps: float,
         alpha: float,
         f32: bool,
-        value: Callable[[], float],
-        clear_max: bool,
+        initial: float,
+        upper: float,
+        all_time_max: float | None,
     ) -> tuple[float, int]:
         """Write one priority at every slot of ``index`` (``-1`` skipped): new items' default.
 
-        Checks ``index`` first; then, if ``clear_max`` and a slot of ``index`` holds the live
-        max raw priority, clears those slots, so ``value()`` (called once, after that) no
-        longer sees what they held; then writes ``value()`` as :meth:`check_and_write` does.
+        Checks ``index`` first. With ``all_time_max=None`` (the live max): if a slot of
+        ``index`` holds the live max raw priority, clears those slots, and the default is the
+        max of what is left. Otherwise the default is ``all_time_max``. The default is
+        ``initial`` while there is no max (``-inf``), and at most ``upper``; it is written as
+        :meth:`check_and_write` writes.
 
         Returns:
             ``(value written, largest slot written)``; ``(-inf, -1)`` if every index is ``-1``.

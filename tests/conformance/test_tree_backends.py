@@ -88,6 +88,63 @@ def test_brute_force_oracle(backend: str, capacity: int) -> None:
     torch.testing.assert_close(info["priority_weight"], expected.float())
 
 
+@pytest.mark.parametrize("within", [True, False])
+def test_default_priority_writes_against_a_brute_force_oracle(backend: str, within: bool) -> None:
+    """``mark_update``: live or all-time max, ``initial_priority``, ``upper_priority``, markers.
+
+    The oracle keeps every raw priority: new items get the max of what is still stored (the
+    overwritten slots left first) or of every priority ever written, ``initial_priority``
+    while there is none, capped by ``upper_priority``.
+    """
+    capacity, initial, upper = 37, 0.75, 3.5
+    gen = torch.Generator().manual_seed(5 + within)
+    sampler = PrioritizedSampler(
+        capacity, 0.7, 0.4, max_priority_within_buffer=within, backend=backend,
+        initial_priority=initial, upper_priority=upper,
+    )  # fmt: skip
+    raw = torch.full((capacity,), -math.inf, dtype=torch.float64)
+    all_time = -math.inf
+    for step in range(60):
+        if step % 2 == 0:  # new items, sometimes with -1 markers (as TorchRL's writers pass)
+            k = int(torch.randint(1, 9, (1,), generator=gen))
+            slots = torch.randint(-1, capacity, (k,), generator=gen)
+            keep = slots[slots != -1].unique()
+            if within:
+                raw[keep] = -math.inf
+            live = raw.max().item() if within else all_time
+            value = min(initial if live == -math.inf else live, upper)
+            sampler.mark_update(slots)
+            if keep.numel():
+                raw[keep] = value
+                all_time = max(all_time, value)
+        else:  # priorities above and below the cap
+            k = int(torch.randint(1, 5, (1,), generator=gen))
+            slots = torch.randint(0, capacity, (k,), generator=gen)
+            priority = torch.rand(k, generator=gen, dtype=torch.float64) * 6
+            sampler.update_priority(slots, priority)
+            for i, p in zip(slots.tolist(), priority.tolist(), strict=True):
+                raw[i] = p
+            all_time = max(all_time, priority.max().item())
+        assert torch.equal(sampler._trees.raw(), raw), step
+    with pytest.raises(ValueError, match="index"):
+        sampler.mark_update(torch.tensor([3, capacity]))  # outside the trees: nothing written
+    assert torch.equal(sampler._trees.raw(), raw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_default_priority_just_below_the_dtype_limit_is_written(backend, dtype) -> None:
+    """New items get a live max whose mass is this close to the limit: exact check, written."""
+    sampler = PrioritizedSampler(7, 1.0, 0.5, eps=0.0, dtype=dtype, backend=backend)
+    if dtype == torch.float32:  # as in the test above: past the fast bound, below the limit
+        fits = float(torch.finfo(torch.float32).max) + 2.0**103 - 1e26
+    else:
+        fits = 1.7976931348623157e308 / sampler._slots * (1 - 1e-13)
+    sampler.update_priority(torch.tensor([0]), torch.tensor([fits], dtype=torch.float64))
+    sampler.mark_update(torch.tensor([5, -1, 6]))
+    assert sampler._trees.raw()[[0, 5, 6]].tolist() == [fits] * 3
+    assert math.isfinite(sampler._trees.total())
+
+
 @requires_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_backends_sample_identically(dtype: torch.dtype) -> None:

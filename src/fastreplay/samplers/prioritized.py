@@ -539,9 +539,11 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         stored = self._stored(storage)
         within = self._max_priority_within_buffer
         f32 = self.dtype == torch.float32
+        all_time = None if within else self._all_time_max
         value, i_max = self._trees.mark_update(
-            flat, stored, self._eps, self._alpha, f32, self._default_value, within
-        )
+            flat, stored, self._eps, self._alpha, f32,
+            self._initial_priority, self._upper_priority, all_time,
+        )  # fmt: skip
         if i_max >= self._written_end:
             self._written_end = i_max + 1
         if not within and value > self._all_time_max:  # rare: note where (the first slot)
