@@ -64,6 +64,31 @@ def test_storage_revision_and_last_cursor() -> None:
         assert not hasattr(storage, "_mutation_revision") and before == after == -1
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: trl.LazyTensorStorage(10),
+        lambda: trl.LazyTensorStorage(10, compilable=True),
+        lambda: trl.LazyMemmapStorage(10),
+        lambda: trl.ListStorage(10),
+        lambda: type("Sub", (trl.LazyTensorStorage,), {"__len__": lambda self: 3})(10),
+    ],
+    ids=["lazy", "compilable", "memmap", "list", "subclass"],
+)
+def test_storage_len_is_len(make) -> None:
+    """``storage_len`` reads TorchRL's counter where it can; always what ``len`` returns."""
+    storage = make()
+    rb = trl.TensorDictReplayBuffer(storage=storage, batch_size=2)
+    lengths = [(compat.storage_len(storage), len(storage))]
+    for rows in (7, 5, 1):  # the second extend wraps
+        rb.extend(episodes(rows, 3))
+        lengths.append((compat.storage_len(storage), len(storage)))
+    rb.empty()
+    lengths.append((compat.storage_len(storage), len(storage)))
+    assert all(fast == slow for fast, slow in lengths), lengths
+    assert lengths[1][1] in (7, 3)  # the data went in (the subclass reports 3)
+
+
 def test_short_flat_batch_warning_flag_matches_torchrl() -> None:
     storage = trl.LazyTensorStorage(30)
     sampler = trl.SliceSampler(num_slices=4, traj_key="traj", strict_length=False)

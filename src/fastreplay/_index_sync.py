@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
-from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision
+from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
 from fastreplay._trajectory_index import TrajectoryIndex
 
 __all__ = ["IndexSync"]
@@ -217,7 +217,7 @@ class IndexSync:
         if (
             not getattr(storage, "initialized", True)
             and getattr(storage, "shared_init", False)
-            and len(storage)
+            and storage_len(storage)
         ):
             storage._wait_for_init()
 

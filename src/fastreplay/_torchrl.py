@@ -99,6 +99,7 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
 from __future__ import annotations
 
 import inspect
+from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
 import torch
@@ -127,6 +128,7 @@ from torchrl.data.replay_buffers.utils import INT_CLASSES
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
 
 __all__ = [
+    "storage_len",
     "ALPHA_CHANGE_RETRANSFORMS",
     "PRIORITIZED_SLICE_ARGS",
     "TORCHRL_PRIORITIZED_SLICE_KEYWORDS",
@@ -275,6 +277,25 @@ DIRECT_BUFFER_PATH: bool = _STORAGE_HAS_REVISION
 STORAGE_HAS_REVISION: bool = _STORAGE_HAS_REVISION
 """Whether storages count their writes (0.14, nightly), so that a sampler sees writes it was
 not told about (another buffer, ``rb[idx] = ...``, another process); 0.13's do not."""
+
+
+_COUNTED_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
+
+
+def storage_len(storage: Any) -> int:
+    """``len(storage)``, read straight from a tensor storage's counter. O(1).
+
+    TorchRL's ``TensorStorage.__len__`` (0.13, 0.14 and the nightly alike) returns its
+    ``_len`` property, the value of the ``_len_value`` counter, from behind a
+    ``torch.compiler.disable`` wrapper that costs more than the read. For these three exact
+    classes with their counter in place this reads the same value under the same lock;
+    anything else (a subclass, another storage, a counter not yet made) is ``len(storage)``.
+    """
+    if type(storage) in _COUNTED_STORAGES:
+        counter = storage.__dict__.get("_len_value")
+        if type(counter) is _Synchronized:
+            return counter.value
+    return len(storage)
 
 
 def last_cursor_row(storage: Any) -> int | None:

@@ -19,7 +19,7 @@ import torch
 
 from fastreplay._segment_tree_ops import PriorityOverflowError, check_mass, mass_of
 from fastreplay._signature import ConstructorSignature
-from fastreplay._torchrl import Storage
+from fastreplay._torchrl import Storage, storage_len
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 from fastreplay._tree_backends import PriorityTreeBackend, make_trees, move_trees
 from fastreplay.samplers._priority_checkpoint import CheckpointError, PriorityCheckpoints
@@ -433,7 +433,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         """
         if storage is None:
             return self._slots
-        stored = len(storage)
+        stored = storage_len(storage)
         if stored > self._slots:
             limit = max(getattr(storage, "max_size", stored), stored)
             self._grow(min(max(stored, 2 * self._slots), limit))
@@ -560,7 +560,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
             ``(m_i / m_min) ** -beta`` in ``dtype``.
         """
         self._maybe_init_from_storage(storage)
-        stored = len(storage)
+        stored = storage_len(storage)
         if stored == 0:
             raise RuntimeError(
                 "Cannot sample from an empty storage: extend the buffer before sampling."

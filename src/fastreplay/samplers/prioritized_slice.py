@@ -28,6 +28,7 @@ from fastreplay._torchrl import (
     TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
     _replace_last,
+    storage_len,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
@@ -312,7 +313,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         """
         self._maybe_init_from_storage(storage)
         seq_length, num_slices = self._fr_batch(batch_size)
-        if len(storage) == 0:
+        if storage_len(storage) == 0:
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )

@@ -20,6 +20,7 @@ from fastreplay._torchrl import (
     SliceSamplerBase,
     TensorStorage,
     pads_short_slices,
+    storage_len,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay._trajectory_index import TrajectoryIndex
@@ -341,7 +342,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         return size, batch_size // size
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
-        if not self._fr_fast(storage) or len(storage) == 0:
+        if not self._fr_fast(storage) or storage_len(storage) == 0:
             return super()._get_stop_and_length(storage, fallback)
         sync = self._fr_sync
         start, stop, length, col = sync.sync(storage, self).boundaries()
@@ -440,7 +441,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
         seq_length, num_slices = self._fr_batch(batch_size)
-        if len(storage) == 0:
+        if storage_len(storage) == 0:
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )

@@ -30,6 +30,7 @@ from fastreplay._torchrl import (
     init_marker_key,
     is_batch_time,
     pads_short_slices,
+    storage_len,
 )
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
@@ -135,7 +136,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
         seq_length, num_slices = self._fr_batch(batch_size)
-        if len(storage) == 0:
+        if storage_len(storage) == 0:
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )
