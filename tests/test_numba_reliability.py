@@ -156,7 +156,9 @@ _IMPORT = textwrap.dedent(
             sys.exit(f"{path} is writable: the scenario does not hold")
     warnings.simplefilter("error")  # as in a test suite: a warning would fail the import
     import fastreplay
-    from fastreplay import PrioritizedSampler, _numba_jit
+    from fastreplay import PrioritizedSampler, _numba_jit, _numba_kernels  # the kernels: defined
+
+    assert _numba_kernels.NUMBA_AVAILABLE
 
     assert os.path.samefile(fastreplay.__file__, sys.argv[1]), fastreplay.__file__
     print("cache:", _numba_jit._cache)
