@@ -40,8 +40,7 @@ from fastreplay._torchrl import (
     CONSUMING_SAMPLERS,
     DIRECT_BUFFER_PATH,
     INT_CLASSES,
-    LazyMemmapStorage,
-    LazyTensorStorage,
+    TENSOR_STORAGES,
     TensorDictRoundRobinWriter,
     TensorStorage,
     _collate_id,
@@ -49,8 +48,6 @@ from fastreplay._torchrl import (
 )
 
 __all__ = ["FastPathMixin"]
-
-_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
 
 
 _ROW_DTYPES = (torch.long, torch.int32)  # what index_select takes (and TorchRL's indexing)
@@ -122,7 +119,7 @@ class FastPathMixin:
         writer = state.get("_writer")
         transform = state.get("_transform")
         if (
-            type(storage) not in _STORAGES
+            type(storage) not in TENSOR_STORAGES
             or type(writer) is not TensorDictRoundRobinWriter
             or state.get("shared", True)
             or state.get("_prefetch", True)

@@ -128,6 +128,7 @@ from torchrl.data.replay_buffers.utils import INT_CLASSES
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
 
 __all__ = [
+    "TENSOR_STORAGES",
     "storage_len",
     "ALPHA_CHANGE_RETRANSFORMS",
     "PRIORITIZED_SLICE_ARGS",
@@ -279,7 +280,8 @@ STORAGE_HAS_REVISION: bool = _STORAGE_HAS_REVISION
 not told about (another buffer, ``rb[idx] = ...``, another process); 0.13's do not."""
 
 
-_COUNTED_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
+TENSOR_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
+"""TorchRL's tensor storage classes (exact types: a subclass may change what they do)."""
 
 
 def storage_len(storage: Any) -> int:
@@ -291,7 +293,7 @@ def storage_len(storage: Any) -> int:
     classes with their counter in place this reads the same value under the same lock;
     anything else (a subclass, another storage, a counter not yet made) is ``len(storage)``.
     """
-    if type(storage) in _COUNTED_STORAGES:
+    if type(storage) in TENSOR_STORAGES:
         counter = storage.__dict__.get("_len_value")
         if type(counter) is _Synchronized:
             return counter.value
