@@ -309,9 +309,9 @@ def _mark_update(
     live max are then cleared first, and the default is the max of what is left. The default
     is ``initial`` while no priority is stored, and at most ``upper``.
 
-    Returns ``(status, default priority, largest slot)``. Nothing is written unless the status
-    is ``OK``; the slots may have been cleared when it is ``CHECK_MASS`` or ``BAD_PRIORITY``
-    (the default itself is out of range: the caller decides, as for :func:`_check_and_write`).
+    Returns ``(status, default priority, largest slot)``. ``BAD_INDEX``: nothing changed.
+    Otherwise the default is written as :func:`_check_and_write` writes it, with its statuses;
+    the slots may have been cleared when that one is not ``OK`` (the caller decides).
     ``(OK, -inf, -1)``: every index is ``-1``.
     """
     status, _, _, i_max = _check(index, _ZERO, stored, eps, alpha, False)
@@ -325,9 +325,8 @@ def _mark_update(
         _write(tree, offsets, sizes, b, index[index >= 0], _CLEARED)
     current = -tree[2, root] if live else all_time
     value = min(initial if current == -_INF else current, upper)
-    if not (value >= 0.0 and value < _INF):
-        return BAD_PRIORITY, value, i_max
-    if not (value + eps) ** alpha < bound:
-        return CHECK_MASS, value, i_max
-    _write_priorities(tree, offsets, sizes, b, index, np.full(1, value), eps, alpha, f32)
-    return OK, value, i_max
+    raw = np.full(1, value)
+    status, _, _ = _check_and_write(
+        tree, offsets, sizes, b, index, raw, stored, eps, alpha, f32, bound
+    )
+    return status, value, i_max

@@ -332,7 +332,8 @@ class NumbaPriorityTrees:
         if status == BAD_INDEX:  # nothing changed: raise the error
             zero = torch.zeros(1, dtype=torch.float64).expand(index.shape)
             validate(index, zero, stored, eps, alpha, f32, self.capacity)
-        # the default is near the dtype's limit (or out of range): decide it exactly
+        # the default's mass is near the dtype's limit (or the default is out of range): the
+        # exact check raises or writes
         return self.check_and_write(
             index, torch.tensor([value], dtype=torch.float64), stored, eps, alpha, f32
         )
