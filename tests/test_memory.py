@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import REPO
 from fastreplay._memory import (
     HUGE_PAGE,
     MIN_BYTES,
@@ -123,24 +127,40 @@ def test_advice_covers_only_whole_huge_pages_inside_the_range() -> None:
 )
 @pytest.mark.parametrize("delayed_init", [False, True])
 def test_a_lazy_storage_s_rows_after_the_first_write_get_huge_pages(delayed_init) -> None:
-    import torch
-    from tensordict import TensorDict
-    from torchrl.data import LazyTensorStorage
+    """In a fresh process, as a training script starts: the storage's memory is new.
 
-    import fastreplay
+    (In a process that already freed large blocks, the C library may serve the storage from
+    memory it already holds, whose pages keep their size: the advice is for new memory.)
+    """
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from tensordict import TensorDict
+        from torchrl.data import LazyTensorStorage
 
-    rows = 3 * MIN_BYTES // 16  # obs float32[4]: 16 bytes a row
-    rb = fastreplay.TensorDictReplayBuffer(
-        storage=LazyTensorStorage(rows), batch_size=8, delayed_init=delayed_init
+        import fastreplay
+        from test_memory import _anon_huge_kib
+
+        rows = {3 * MIN_BYTES // 16}  # obs float32[4]: 16 bytes a row
+        rb = fastreplay.TensorDictReplayBuffer(
+            storage=LazyTensorStorage(rows), batch_size=8, delayed_init={delayed_init}
+        )
+        first = TensorDict(obs=torch.arange(40.0).reshape(10, 4), batch_size=[10])
+        rb.extend(first)
+        rb.extend(TensorDict(obs=torch.ones(rows - 10, 4), batch_size=[rows - 10]))
+        obs = rb.storage._storage["obs"]
+        assert torch.equal(obs[:10], first["obs"]) and bool((obs[10:] == 1).all())
+        print("huge KiB:", _anon_huge_kib(obs.data_ptr() + obs.untyped_storage().nbytes() // 2))
+        """
     )
-    first = TensorDict(obs=torch.arange(40.0).reshape(10, 4), batch_size=[10])
-    rb.extend(first)
-    rest = TensorDict(obs=torch.ones(rows - 10, 4), batch_size=[rows - 10])
-    rb.extend(rest)
-    obs = rb.storage._storage["obs"]
-    assert torch.equal(obs[:10], first["obs"]) and bool((obs[10:] == 1).all())
-    middle = obs.data_ptr() + obs.untyped_storage().nbytes() // 2
-    assert _anon_huge_kib(middle) > 0
+    path = os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])
+    env = {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    kib = int(done.stdout.split("huge KiB:")[1].split()[0])
+    assert kib > 0, done.stdout
 
 
 def test_the_environment_variable_turns_the_advice_off(monkeypatch) -> None:
