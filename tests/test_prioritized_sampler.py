@@ -8,6 +8,7 @@ import math
 import pickle
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,9 +254,9 @@ def test_state_dict_and_dumps_round_trip(tmp_path) -> None:
         assert sampler.default_priority == rb._sampler.default_priority
         for a, b in zip(sampler._trees.levels, rb._sampler._trees.levels, strict=True):
             assert torch.equal(a, b)
-    torch.manual_seed(5)
+    np.random.seed(5)  # the RNG prioritized sampling draws from, as TorchRL
     first = rb.sample(32)["index"]
-    torch.manual_seed(5)
+    np.random.seed(5)
     assert torch.equal(other.sample(32)["index"], first)
 
 
@@ -702,3 +703,62 @@ def test_torchrl_lets_an_unstored_index_set_the_priority_of_the_next_item() -> N
     assert rb.sampler._sum_tree.query(0, 5) == 5.0  # not sampled...
     rb.extend(torch.arange(1))  # ...but slot 5, written next, inherits the stale 1e6
     assert rb.sampler._sum_tree[5] == 1e6
+
+
+# ----------------------------------------------------------------- the RNG sampling draws from
+
+
+def _per_buffer(side: str, sampler: PrioritizedSampler) -> Any:
+    """fastreplay's sampler in TorchRL's buffer, or in fastreplay's."""
+    import fastreplay
+
+    cls = TensorDictReplayBuffer if side == "torchrl" else fastreplay.TensorDictReplayBuffer
+    rb = cls(storage=LazyTensorStorage(300), sampler=sampler, batch_size=32)
+    rb.extend(TensorDict(obs=torch.arange(257), batch_size=[257]))
+    rb.update_priority(torch.arange(257), torch.linspace(0.1, 3.0, 257))
+    return rb
+
+
+@pytest.mark.parametrize("side", ["torchrl", "fastreplay"])
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_sampling_draws_from_numpy_global_rng_as_torchrl(side: str, backend: str) -> None:
+    """TorchRL's CPU sampler draws ``np.random.uniform``: NumPy's seed reproduces its samples
+    and torch's global RNG (exploration noise, dropout...) is not advanced by sampling."""
+    if backend == "numba":
+        pytest.importorskip("numba", reason="the numba backend needs numba (the fast extra)")
+    rb = _per_buffer(side, PrioritizedSampler(300, 0.7, 0.5, backend=backend))
+    np.random.seed(11)
+    first = rb.sample()["index"]
+    torch_state = torch.get_rng_state()
+    np.random.seed(11)
+    assert torch.equal(rb.sample()["index"], first)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    np.random.seed(12)
+    assert not torch.equal(rb.sample()["index"], first)
+
+
+@requires_torchrl_ext
+@pytest.mark.parametrize("side", ["torchrl", "fastreplay"])
+def test_same_numpy_seed_same_samples_as_torchrl(side: str) -> None:
+    from torchrl.data import PrioritizedSampler as TorchRLPrioritizedSampler
+
+    reference = _per_buffer("torchrl", TorchRLPrioritizedSampler(300, 0.7, 0.5))
+    ours = _per_buffer(side, PrioritizedSampler(300, 0.7, 0.5))
+    for seed in range(5):
+        np.random.seed(seed)
+        expected = reference.sample()
+        np.random.seed(seed)
+        got = ours.sample()
+        assert torch.equal(got["index"], expected["index"])
+        torch.testing.assert_close(got["priority_weight"], expected["priority_weight"])
+
+
+def test_a_generator_is_used_instead_of_numpy() -> None:
+    gen = torch.Generator().manual_seed(3)
+    rb = _per_buffer("fastreplay", PrioritizedSampler(300, 0.7, 0.5))
+    rb._sampler._rng = gen
+    numpy_state = np.random.get_state()[1].copy()
+    first = rb.sample()["index"]
+    assert np.array_equal(np.random.get_state()[1], numpy_state)
+    gen.manual_seed(3)
+    assert torch.equal(rb.sample()["index"], first)

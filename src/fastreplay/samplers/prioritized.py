@@ -15,6 +15,7 @@ import math
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from fastreplay._segment_tree_ops import PriorityOverflowError, check_mass, mass_of
@@ -34,6 +35,23 @@ __all__ = [
     "PriorityOverflowError",
     "PriorityShapeError",
 ]
+
+
+def uniform_draws(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``n`` float64 uniforms in ``[0, 1)`` from the RNG TorchRL's ``PrioritizedSampler`` uses.
+
+    TorchRL's CPU sampler without a generator draws ``np.random.uniform(0, p_sum, n)``: NumPy's
+    global RNG, which ``np.random.seed`` makes reproducible and which leaves torch's global RNG
+    (exploration noise, dropout...) untouched. The same NumPy draws are returned here, so the
+    sampling masses ``draw * p_sum`` are TorchRL's bit for bit. With a ``generator`` (the
+    sampler's ``_rng``), or trees on an accelerator, the draws come from ``generator`` (the
+    device's default one when ``None``), as in TorchRL, in float64: float32 draws (TorchRL's)
+    cannot reach every slot of a tree above 2**24 slots. O(n).
+    """
+    if generator is None and device.type == "cpu":
+        return torch.from_numpy(np.random.random_sample(n))  # noqa: NPY002 (TorchRL's RNG)
+    rand_device = generator.device if generator is not None else device
+    return torch.rand(n, dtype=torch.float64, device=rand_device, generator=generator)
 
 
 class PriorityShapeError(ValueError, RuntimeError):
@@ -583,9 +601,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
                 "Cannot compute importance weights: a stored item has priority 0 with "
                 f"eps={self._eps}, so (p_i / p_min) ** -beta is undefined; use eps > 0."
             )
-        rng = self._rng
-        rand_device = rng.device if rng is not None else self.device
-        draw = torch.rand(batch_size, dtype=torch.float64, device=rand_device, generator=rng)
+        draw = uniform_draws(batch_size, self._rng, self.device)
         f32 = self.dtype == torch.float32
         index, weight = self._trees.sample(draw, total, m_min, self._beta, f32, limit)
         if storage.ndim > 1:

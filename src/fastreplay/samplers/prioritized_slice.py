@@ -32,7 +32,7 @@ from fastreplay._torchrl import (
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
-from fastreplay.samplers.prioritized import PrioritizedSampler, _locked
+from fastreplay.samplers.prioritized import PrioritizedSampler, _locked, uniform_draws
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
 __all__ = ["PrioritizedSliceSampler"]
@@ -262,13 +262,11 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         slots = np.empty(0, dtype=np.int64)
         left = np.empty(0, dtype=np.int64)
         drawn, accepted = 0, 0
-        rng = self._rng
-        rand_device = rng.device if rng is not None else self.device
         while slots.size < n and drawn < _MAX_DRAWS_PER_SLICE * n:
             want = n - slots.size
             rate = (accepted + 1) / (drawn + 1)
             m = min(max(want, math.ceil(1.25 * want / rate)), _MAX_DRAWS_PER_SLICE * n - drawn)
-            draw = torch.rand(m, dtype=torch.float64, device=rand_device, generator=rng)
+            draw = uniform_draws(m, self._rng, self.device)
             slot = self._trees.search(draw.to(self.device) * total).cpu().numpy()
             pos, length = locate(slot // columns, slot % columns)
             ok = self._fr_valid(pos, length, k)
@@ -295,7 +293,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                 "Cannot sample: no valid slice start has a positive priority mass "
                 f"(eps={self._eps}); raise the priorities of trajectory starts or use eps > 0."
             )
-        draw = torch.rand(n, dtype=torch.float64, generator=self._rng) * cum[-1]
+        draw = uniform_draws(n, self._rng, torch.device("cpu")) * cum[-1]
         pick = torch.searchsorted(cum, draw, right=True).clamp_max_(slot.size - 1).numpy()
         return slot[pick], left[pick]
 
