@@ -24,6 +24,12 @@ last cursor, mutation revision, the stored ``index`` column, the sampler's ``mar
 ``extend`` calls and their order, the priority update), and returns the same sample (keys,
 dtypes, values, devices, batch size, ``info``). ``tests/conformance/test_whole_step.py``
 compares both paths call by call.
+
+What TorchRL's buffer methods do besides moving data (the nightly's readiness notification,
+sample counters, dimension names, and the frame its sampler is called from) is done through
+:class:`fastreplay._torchrl.Bookkeeping`, at the points where TorchRL does it;
+``tests/conformance/test_bookkeeping.py`` traces both paths on every version so that a step a
+new TorchRL adds is not skipped unnoticed.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from fastreplay._torchrl import (
     DIRECT_BUFFER_PATH,
     INT_CLASSES,
     TENSOR_STORAGES,
+    Bookkeeping,
     TensorDictRoundRobinWriter,
     TensorStorage,
     _collate_id,
@@ -171,6 +178,7 @@ class FastPathMixin:
             index = self._fr_write(data)
         if index is None:
             return None
+        Bookkeeping.wrote(self)  # as ``ReplayBuffer._extend``, its locks released
         if update_priority is None or update_priority:
             try:
                 key = self.priority_key
@@ -298,13 +306,17 @@ class FastPathMixin:
         super().update_priority(index, priority)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ sample
-    def _fr_fast_sample(self, batch_size: int | None) -> tuple[Any, dict, bool] | None:
-        """TorchRL's ``sample(batch_size, return_info=True)``, in one pass, or ``None``.
+    def _fr_fast_sample(
+        self, batch_size: int | None, waiting: dict[str, Any]
+    ) -> tuple[Any, dict, bool] | None:
+        """TorchRL's ``sample(batch_size, return_info=True, **waiting)`` in one pass, or ``None``.
 
-        Mirrors the checks of ``ReplayBuffer.sample``, ``TensorDictReplayBuffer._sample``
-        -> ``TensorStorage.get`` -> ``TensorDict.__getitem__``, and the metadata writes of
-        ``TensorDictReplayBuffer.sample``. Decided before the sampler runs: once taken, it
-        does not fall back. O(batch x row size + leaves) on top of the sampler.
+        Mirrors the checks of ``ReplayBuffer.sample`` (and its wait, ``waiting`` holding the
+        installed TorchRL's ``wait``/``timeout``/``cancel_event``), ``TensorDictReplayBuffer.
+        _sample`` -> ``TensorStorage.get`` -> ``TensorDict.__getitem__``, and the metadata
+        writes of ``TensorDictReplayBuffer.sample``; TorchRL's bookkeeping is
+        :class:`~fastreplay._torchrl.Bookkeeping`'s. Decided before the sampler runs: once
+        taken, it does not fall back. O(batch x row size + leaves) on top of the sampler.
 
         Returns:
             ``(data, info, written)``; ``written``: the metadata is in ``data`` already
@@ -323,6 +335,11 @@ class FastPathMixin:
             and not self._warned_batch_size_conflict
         ):
             return None  # TorchRL's warning
+        if waiting:
+            Bookkeeping.wait(self, batch_size, **waiting)
+            storage = self._fr_plain()  # (the wait let other threads run)
+            if storage is None:
+                return None
         with self._replay_lock:
             # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
             write_lock = self._write_lock
@@ -339,7 +356,7 @@ class FastPathMixin:
         plan = _fast_io.gather_plan(storage._storage)
         if plan is None:
             return None
-        index, info = sampler.sample(storage, batch_size)
+        index, info = Bookkeeping.call_sampler(sampler, storage, batch_size)
         info["index"] = index
         # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
         rows = index[0] if type(index) is tuple and len(index) == 1 else index
@@ -351,14 +368,15 @@ class FastPathMixin:
             and rows.is_cpu
             and length is not None
         ):
-            return self._fr_general_get(storage, index), info, False
+            data = self._fr_general_get(storage, index)
+            return Bookkeeping.named(sampler, data), info, False
         extra = info
         if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
             extra = {**info, "index": torch.stack(index, -1)}
         data, written = _fast_io.gather_rows(
             plan, rows, length.value, extra, _run_length(sampler, batch_size)
         )
-        return data, info, written
+        return Bookkeeping.named(sampler, data), info, written
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
         """TorchRL's read, for a sampler result the direct gather does not cover."""

@@ -93,7 +93,20 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   cursor, mutation revision); where one is missing (0.13 has no mutation revision), every
   write and sample takes TorchRL's own path.
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
-  ``timeout`` and ``cancel_event`` keywords, which fastreplay's buffers forward.
+  ``timeout`` and ``cancel_event`` keywords (:data:`SAMPLE_KEYWORDS`), which fastreplay's
+  buffers honour on the direct path too.
+* **Buffer bookkeeping** (:class:`Bookkeeping`): what TorchRL's buffer methods do besides
+  moving data, which fastreplay's direct buffer path does at the same points through this one
+  class: the nightly's readiness notification after every write
+  (``ReplayBuffer._notify_replay_state_change``, which wakes ``sample(wait=True)`` and
+  ``wait_until_sampleable``), its per-buffer sample counters (``sample_calls`` and
+  ``samples_returned`` of ``stats()``, saved in checkpoints), the sampler's names for the
+  sample's dimensions (``Sampler._set_sample_names``: ``time_dim_name`` for ``batch_time``
+  samples), and the frame that calls the sampler (so a sampler's warning with TorchRL's
+  ``stacklevel`` is attributed to TorchRL's buffer module, as there). 0.13 and 0.14 have none
+  of the first three. ``tests/conformance/test_bookkeeping.py`` traces which TorchRL functions
+  each buffer call runs on both paths, on every version, so a bookkeeping step a new TorchRL
+  adds cannot be skipped unnoticed.
 """
 
 from __future__ import annotations
@@ -172,6 +185,8 @@ __all__ = [
     "find_start_stop_traj",
     "init_marker_key",
     "is_batch_time",
+    "Bookkeeping",
+    "SAMPLE_KEYWORDS",
     "is_consuming",
     "last_cursor_row",
     "mutation_revision",
@@ -459,3 +474,157 @@ class SliceSamplerBase(_SliceHooks, TorchRLSliceSampler):
 
 class SliceSamplerWithoutReplacementBase(_SliceHooks, TorchRLSliceSamplerWithoutReplacement):
     """TorchRL's ``SliceSamplerWithoutReplacement`` with :class:`_SliceHooks`."""
+
+
+# ---------------------------------------------------------------------- buffer bookkeeping
+SAMPLE_KEYWORDS: frozenset[str] = frozenset(
+    p.name
+    for p in inspect.signature(TorchRLReplayBuffer.sample).parameters.values()
+    if p.kind is p.KEYWORD_ONLY
+)
+"""``ReplayBuffer.sample``'s keyword-only arguments: ``wait``, ``timeout``, ``cancel_event`` on
+the nightly; none on 0.13 and 0.14."""
+
+NOTIFIES_READINESS: bool = hasattr(TorchRLReplayBuffer, "_notify_replay_state_change")
+"""Whether TorchRL's buffers notify waiting samplers after each write (nightly)."""
+
+
+def _counts_samples() -> tuple[str, ...]:
+    """The counters ``ReplayBuffer.sample`` increments (read from its code), in its order."""
+    if not hasattr(TorchRLReplayBuffer, "_increment_counter"):
+        return ()
+    code = inspect.getsource(TorchRLReplayBuffer.sample)
+    names = ("_sample_call_count_value", "_sampled_item_count_value")
+    return names if all(f'"{name}"' in code for name in names) else ()
+
+
+SAMPLE_COUNTERS: tuple[str, ...] = _counts_samples()
+"""The buffer counters TorchRL's ``sample`` increments (calls, then records): the nightly's
+``("_sample_call_count_value", "_sampled_item_count_value")``; empty on 0.13 and 0.14."""
+
+NAMES_SAMPLES: bool = hasattr(Sampler, "_set_sample_names")
+"""Whether TorchRL's buffers let the sampler name the sample's dimensions (nightly)."""
+
+
+def _torchrl_frame(method: Any, call: str, source: str) -> Any:
+    """A function whose frame reads as ``method``'s line calling ``call`` (same file, module).
+
+    ``source`` defines one function; its body (one line) is compiled at the line where
+    ``method`` makes the call, with ``method``'s module globals, so that ``warnings`` sees the
+    same ``filename``, ``lineno`` and ``module`` for a warning issued below it with a
+    ``stacklevel`` that points at that caller. Falls back to the plain function if the call is
+    not found. O(1) per call.
+    """
+    namespace: dict[str, Any] = {}
+    method = inspect.unwrap(method)
+    for cell in method.__closure__ or ():  # a decorator without ``functools.wraps``
+        inner = cell.cell_contents
+        if inspect.isfunction(inner):
+            method = inner
+    try:
+        lines, first = inspect.getsourcelines(method)
+        offset = next(i for i, line in enumerate(lines) if call in line)
+        lineno = first + offset
+        code = compile("\n" * max(lineno - 2, 0) + source, inspect.getsourcefile(method), "exec")
+        exec(code, method.__globals__, namespace)  # defines the function only
+    except (OSError, TypeError, StopIteration):
+        exec(source, {}, namespace)
+    return next(iter(namespace.values()))
+
+
+_call_sampler = _torchrl_frame(
+    TorchRLBuffer._sample,
+    "self._sampler.sample(",
+    "def _call_sampler(sampler, storage, batch_size):\n"
+    "    return sampler.sample(storage, batch_size)\n",
+)
+
+
+def sampled_items(index: Any, storage: Any) -> int:
+    """The number of records a sample returned, counted as TorchRL's ``sample`` counts them."""
+    if isinstance(index, tuple):
+        return torch.as_tensor(index[0]).numel()
+    index = torch.as_tensor(index)
+    if storage.ndim > 1 and index.ndim > 1 and index.shape[-1] == storage.ndim:
+        return index[..., 0].numel()
+    return index.numel()
+
+
+class Bookkeeping:
+    """TorchRL's buffer bookkeeping, for fastreplay's direct path (one method per point).
+
+    Each method does what the installed TorchRL's buffer does at that point besides moving
+    data, through TorchRL's own methods, and nothing where that TorchRL does nothing (see
+    the module docstring). All O(1).
+    """
+
+    call_sampler = staticmethod(_call_sampler)
+    """``sampler.sample(storage, batch_size)`` from a frame of TorchRL's
+    ``TensorDictReplayBuffer._sample`` (where TorchRL's buffers call their sampler)."""
+
+    if NOTIFIES_READINESS:
+
+        @staticmethod
+        def wrote(buffer: Any) -> None:
+            """After a write, its locks released: wake ``sample(wait=True)`` callers."""
+            buffer._notify_replay_state_change()
+
+    else:
+
+        @staticmethod
+        def wrote(buffer: Any) -> None:
+            """TorchRL 0.13/0.14 notify nobody after a write."""
+
+    if SAMPLE_COUNTERS:
+
+        @staticmethod
+        def sampled(buffer: Any, index: Any) -> None:
+            """After a sample: one more call, and the records it returned (``stats()``)."""
+            calls, items = SAMPLE_COUNTERS
+            count = sampled_items(index, buffer._storage)
+            buffer._increment_counter(calls, 1)
+            buffer._increment_counter(items, count)
+
+    else:
+
+        @staticmethod
+        def sampled(buffer: Any, index: Any) -> None:
+            """TorchRL 0.13/0.14 count no samples."""
+
+    if NAMES_SAMPLES:
+
+        @staticmethod
+        def named(sampler: Any, data: Any) -> Any:
+            """The sample with the sampler's dimension names (``batch_time``: the time dim)."""
+            return sampler._set_sample_names(data)
+
+    else:
+
+        @staticmethod
+        def named(sampler: Any, data: Any) -> Any:
+            """TorchRL 0.13/0.14 name no dimensions."""
+            return data
+
+    @staticmethod
+    def wait(
+        buffer: Any,
+        batch_size: int,
+        wait: bool = False,
+        timeout: float | None = None,
+        cancel_event: Any = None,
+    ) -> None:
+        """``sample(wait=True)``'s wait, as TorchRL's ``ReplayBuffer.sample`` (no prefetch).
+
+        Raises:
+            TimeoutError: Not sampleable within ``timeout`` seconds.
+            RuntimeError: ``cancel_event`` was set, or the buffer was shut down.
+        """
+        if wait and not buffer.wait_until_sampleable(
+            batch_size, timeout=timeout, cancel_event=cancel_event
+        ):
+            if cancel_event is not None and cancel_event.is_set():
+                raise RuntimeError("Replay-buffer sampling was cancelled.")
+            raise TimeoutError(
+                f"Replay buffer did not become sampleable for a batch of "
+                f"{batch_size} items within {timeout} seconds."
+            )

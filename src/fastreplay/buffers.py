@@ -32,7 +32,7 @@ from fastreplay._fast_path import FastPathMixin
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
 from fastreplay._storage_pages import HugePageStorageMixin
-from fastreplay._torchrl import RandomSampler
+from fastreplay._torchrl import SAMPLE_KEYWORDS, Bookkeeping, RandomSampler
 from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
 from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
 from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
@@ -212,10 +212,11 @@ class _PinnedSampleMixin:
                 "the output tensordict.",
                 stacklevel=2,
             )
-        if include_info is None and not kwargs:  # keywords of a newer TorchRL: its path
-            fast = self._fr_fast_sample(batch_size)
+        if include_info is None and kwargs.keys() <= SAMPLE_KEYWORDS:
+            fast = self._fr_fast_sample(batch_size, kwargs)
             if fast is not None:
                 data, info, written = fast
+                Bookkeeping.sampled(self, info["index"])
                 if not written:
                     data, _ = _write_info(data, info)
                 # a new dict, as TorchRL's (it maps ``info`` to the storage device)
