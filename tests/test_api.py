@@ -136,11 +136,9 @@ def test_slice_sampler_module_does_not_import_its_subclasses() -> None:
 # The pure cores: plain classes and functions that TorchRL adapters wire in.
 _CORES = (
     "_epoch_permutation.py",
-    "_fast_io.py",
     "_memory.py",
     "_numba_jit.py",
     "_numba_kernels.py",
-    "_pinning.py",
     "_segment_tree.py",
     "_segment_tree_numba.py",
     "_segment_tree_ops.py",

@@ -30,7 +30,8 @@ from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 import fastreplay
 from conftest import TORCHRL_EXT, requires_cuda, shutdown, synchronize
-from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer, _pinning
+from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from fastreplay.buffers import pinning as _pinning
 
 N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
 CAPACITY = 50

@@ -1,4 +1,4 @@
-"""``fastreplay._fast_io``: direct row writes and gathers on a TensorDict storage.
+"""``fastreplay.buffers.rows``: direct row writes and gathers on a TensorDict storage.
 
 Each function is checked against what ``TensorDict.__setitem__`` / ``__getitem__`` with an
 index tensor give (TorchRL's storage path), and each "not a plain match" answer is pinned:
@@ -12,7 +12,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, MemoryMappedTensor, NonTensorData, TensorDict
 
-from fastreplay import _fast_io
+from fastreplay.buffers import rows as _fast_io
 
 
 def store(capacity: int = 7) -> TensorDict:

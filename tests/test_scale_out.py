@@ -500,7 +500,7 @@ def test_a_waiting_sample_goes_before_writes_not_yet_started() -> None:
     """
     import threading
 
-    from fastreplay._sharing import _SampleFirst, _turn
+    from fastreplay.buffers.sharing import _SampleFirst, _turn
 
     events: list[tuple[str, str]] = []
 

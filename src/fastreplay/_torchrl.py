@@ -88,7 +88,7 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   ``ReplayBuffer.shutdown()``/``synchronize()`` and checkpoints (``state_dict``, ``dumps``,
   pickling) that carry the prefetched samples; 0.13 has none of them (its checkpoints drop the
   prefetch queue).
-* **Direct buffer path** (:mod:`fastreplay._fast_path`): it updates the counters TorchRL
+* **Direct buffer path** (:mod:`fastreplay.buffers.paths`): it updates the counters TorchRL
   0.14 and the nightly keep for a write (writer cursor and count, storage length, last
   cursor, mutation revision); where one is missing (0.13 has no mutation revision), every
   write and sample takes TorchRL's own path.

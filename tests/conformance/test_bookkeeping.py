@@ -1,7 +1,7 @@
 """TorchRL's buffer bookkeeping on fastreplay's direct path, on every TorchRL version.
 
 fastreplay's buffers write and gather rows directly in the common set-up
-(``fastreplay._fast_path``); what TorchRL's buffer methods do besides moving data is done
+(``fastreplay.buffers.paths``); what TorchRL's buffer methods do besides moving data is done
 there through ``fastreplay._torchrl.Bookkeeping``. Two guards keep that complete:
 
 * **Trace.** The same call runs on fastreplay's buffer with the direct path and with it

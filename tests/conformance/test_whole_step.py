@@ -2,7 +2,7 @@
 
 fastreplay's ``TensorDictReplayBuffer`` / ``TensorDictPrioritizedReplayBuffer`` write rows
 straight into the storage's leaves and gather sampled rows directly when the set-up is the
-common one (``fastreplay._fast_path``). Each test here runs the same script of calls (extends
+common one (``fastreplay.buffers.paths``). Each test here runs the same script of calls (extends
 that wrap around odd capacities, samples with and without ``return_info``, priority updates,
 checkpoint round trips) on:
 
@@ -32,8 +32,8 @@ from tensordict import LazyStackedTensorDict, TensorDict
 from torchrl.envs.transforms import Compose, RenameTransform
 
 import fastreplay
-from fastreplay import _fast_io
 from fastreplay._torchrl import CONSUMING_SAMPLERS, DIRECT_BUFFER_PATH
+from fastreplay.buffers import rows as _fast_io
 
 ALPHA, BETA = 0.7, 0.5
 SIDES = ("torchrl", "fast", "general")
@@ -44,7 +44,7 @@ SIDES = ("torchrl", "fast", "general")
 
 @pytest.fixture
 def taken(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the direct writes and gathers (``fastreplay._fast_io`` entry points)."""
+    """Counts the direct writes and gathers (``fastreplay.buffers.rows`` entry points)."""
     count = {"write": 0, "gather": 0}
     write, gather = _fast_io.write_rows, _fast_io.gather_rows
 

@@ -5,7 +5,7 @@ TorchRL's ``extend`` goes through the writer, ``TensorStorage.set`` and
 ``TensorDict.__getitem__`` and ``TensorDict.set`` for the metadata. Every layer re-checks what
 the previous one checked, and with a fast sampler that glue is most of a training step.
 
-:class:`FastPathMixin` does the same work in one pass for the common case, decided on every
+:class:`PathChoice` does the same work in one pass for the common case, decided on every
 call:
 
 * a 1-D ``TensorStorage`` / ``LazyTensorStorage`` / ``LazyMemmapStorage`` holding a plain
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torchrl.envs.transforms import Compose
 
-from fastreplay import _fast_io
 from fastreplay._torchrl import (
     CONSUMING_SAMPLERS,
     DIRECT_BUFFER_PATH,
     INT_CLASSES,
+    SAMPLE_KEYWORDS,
     TENSOR_STORAGES,
     Bookkeeping,
     TensorDictRoundRobinWriter,
@@ -53,8 +53,10 @@ from fastreplay._torchrl import (
     _collate_id,
     _storage_index,
 )
+from fastreplay.buffers import rows as _fast_io
+from fastreplay.buffers.samples import write_info
 
-__all__ = ["FastPathMixin"]
+__all__ = ["PathChoice"]
 
 
 _ROW_DTYPES = (torch.long, torch.int32)  # what index_select takes (and TorchRL's indexing)
@@ -99,12 +101,15 @@ def _run_length(sampler: Any, batch_size: int) -> int | None:
     return length if isinstance(length, int) else None
 
 
-class FastPathMixin:
-    """``extend`` / ``sample`` without TorchRL's layers, for the set-ups listed above.
+class PathChoice:
+    """The one place that chooses, per call, between the direct path and TorchRL's path.
 
-    Placed before the TorchRL buffer (and fastreplay's other mixins that wrap ``extend``) in
-    the bases; ``sample`` calls :meth:`_fr_fast_sample` first. ``_fr_fast = False`` on an
-    instance switches the fast path off (tests use it to compare both paths).
+    First in the bases of fastreplay's buffers: ``extend``, ``sample`` and
+    ``update_priority`` try the direct path (:meth:`_fr_plain` holds every condition, the
+    other parts' included: not shared, not pinned, no ``device``) and otherwise call
+    ``super()``, which runs the rest of the bases (huge pages, pinned samples, shared-buffer
+    checks) and TorchRL's buffer. ``_fr_fast = False`` on an instance switches the direct
+    path off (tests use it to compare both paths).
     """
 
     _fr_fast = True
@@ -306,6 +311,35 @@ class FastPathMixin:
         super().update_priority(index, priority)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ sample
+    def sample(
+        self,
+        batch_size: int | None = None,
+        return_info: bool = False,
+        include_info: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Sample as TorchRL's ``TensorDictReplayBuffer.sample``; the common set-up directly.
+
+        Args:
+            batch_size: Size of the batch; defaults to the buffer's ``batch_size``.
+            return_info: Whether to return ``(data, info)`` instead of ``data``.
+            include_info: Deprecated TorchRL argument (TorchRL's path).
+            **kwargs: The installed TorchRL's other ``sample`` keywords (the nightly's
+                ``wait``, ``timeout``, ``cancel_event``).
+        """
+        if include_info is None and kwargs.keys() <= SAMPLE_KEYWORDS:
+            fast = self._fr_fast_sample(batch_size, kwargs)
+            if fast is not None:
+                data, info, written = fast
+                Bookkeeping.sampled(self, info["index"])
+                if not written:
+                    data, _ = write_info(data, info)
+                # a new dict, as TorchRL's (it maps ``info`` to the storage device)
+                return (data, dict(info)) if return_info else data
+        return super().sample(  # type: ignore[misc]
+            batch_size, return_info=return_info, include_info=include_info, **kwargs
+        )
+
     def _fr_fast_sample(
         self, batch_size: int | None, waiting: dict[str, Any]
     ) -> tuple[Any, dict, bool] | None:

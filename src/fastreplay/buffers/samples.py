@@ -1,14 +1,13 @@
-"""TorchRL TensorDict replay buffers whose samples are fully pinned (and optionally on device).
+"""What a sample becomes after the storage read: metadata written, pinned, moved.
 
-``pin_memory=True`` in torchrl 0.14.1 (pytorch/rl #2404, fix #2411) leaves part of each sample
-in pageable memory: a transform output with ``device=None``, and the ``index``,
-``priority_weight`` and truncation flags added after pinning. Without an accelerator the first
-``sample`` raises ``RuntimeError: Cannot access accelerator device when none is available``.
-
-These subclasses keep TorchRL's arguments and behaviour and change one thing: the whole sample,
-metadata included, is built first and pinned last, in the prefetch thread when ``prefetch`` is
-set. TorchRL's own pinning is switched off. Without an accelerator, ``pin_memory=True`` warns
-once at construction and samples unpinned, as ``torch.utils.data.DataLoader`` does.
+:class:`PinnedSamples` builds the whole sample in ``_sample`` (the prefetch thread when
+``prefetch`` is set): the metadata TorchRL's ``TensorDictReplayBuffer.sample`` adds (``index``,
+``priority_weight``, truncation flags) is written there, then the sample is pinned and moved to
+``device`` last. ``pin_memory=True`` in TorchRL 0.14.1 (pytorch/rl #2404, fix #2411) leaves part
+of each sample in pageable memory (a transform output with ``device=None``, and the metadata
+added after pinning), and without an accelerator the first ``sample`` raises. The metadata
+helpers (:func:`write_info`, :func:`unwrite_info`) are shared with the direct path
+(:mod:`fastreplay.buffers.paths`).
 """
 
 from __future__ import annotations
@@ -27,17 +26,10 @@ import torchrl
 from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 
-from fastreplay import _pinning
-from fastreplay._fast_path import FastPathMixin
-from fastreplay._sharing import SharedBufferChecks
-from fastreplay._signature import ConstructorSignature
-from fastreplay._storage_pages import HugePageStorageMixin
-from fastreplay._torchrl import SAMPLE_KEYWORDS, Bookkeeping, RandomSampler
-from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
-from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
 from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
+from fastreplay.buffers import pinning
 
-__all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
+__all__ = ["PinnedSamples", "write_info"]
 
 _NO_ACCELERATOR = (
     "'pin_memory' argument is set as true but no accelerator is found, so samples of this "
@@ -47,7 +39,7 @@ _NO_ACCELERATOR = (
 
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (torchrl.__file__, torch.__file__, __file__)
+    for path in (torchrl.__file__, torch.__file__, os.path.dirname(__file__))
 )
 
 
@@ -124,7 +116,7 @@ def _check_device(device: Any) -> torch.device | None:
     return parsed
 
 
-class _PinnedSampleMixin:
+class PinnedSamples:
     """Builds the full sample in ``_sample`` (prefetch thread), then pins and moves it.
 
     Placed before a TorchRL TensorDict buffer in the bases. O(number of leaves) per sample on
@@ -141,7 +133,7 @@ class _PinnedSampleMixin:
         self._fr_pin_memory = pin_memory
         self._fr_device = device
         wants_pinning = pin_memory or (device is not None and device.type != "cpu")
-        self._fr_pinning = wants_pinning and _pinning.pinning_available()
+        self._fr_pinning = wants_pinning and pinning.pinning_available()
         if pin_memory and not self._fr_pinning:
             warnings.warn(_NO_ACCELERATOR, UserWarning, stacklevel=_user_stacklevel())
 
@@ -165,19 +157,19 @@ class _PinnedSampleMixin:
         to_host = device is not None and device.type == "cpu"
         if to_host:
             # From a storage on an accelerator: bring it over first, then pin what arrived.
-            data = _pinning.move_tree(data, device)
+            data = pinning.move_tree(data, device)
         if self._fr_pinning:
-            data, info = _pinning.pin_tree((data, info))
+            data, info = pinning.pin_tree((data, info))
         if device is not None and not to_host:
             # To an accelerator: pinned first, so the copy does not block.
-            data = _pinning.move_tree(data, device)
+            data = pinning.move_tree(data, device)
         return data, info
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
         data, info = super()._sample(batch_size)
         if not is_tensor_collection(data) or is_tensorclass(data):
             return self._finish(data, info)
-        data, info[_SHADOWED] = _write_info(data, info)
+        data, info[_SHADOWED] = write_info(data, info)
         # ``info[_SHADOWED]``: what undoes the writes, for ``sample(include_info=False)``
         # (popped there); its presence marks the metadata as written.
         return self._finish(data, info)
@@ -212,15 +204,8 @@ class _PinnedSampleMixin:
                 "the output tensordict.",
                 stacklevel=2,
             )
-        if include_info is None and kwargs.keys() <= SAMPLE_KEYWORDS:
-            fast = self._fr_fast_sample(batch_size, kwargs)
-            if fast is not None:
-                data, info, written = fast
-                Bookkeeping.sampled(self, info["index"])
-                if not written:
-                    data, _ = _write_info(data, info)
-                # a new dict, as TorchRL's (it maps ``info`` to the storage device)
-                return (data, dict(info)) if return_info else data
+        # ``ReplayBuffer.sample``, not ``TensorDictReplayBuffer.sample``: the metadata is
+        # written (and pinned) in ``_sample`` already, where TorchRL's would overwrite it.
         data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True, **kwargs)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
@@ -230,14 +215,14 @@ class _PinnedSampleMixin:
         if is_tc and not is_tensorclass(data):
             if include_info is False and written:
                 replaced, drop = shadowed
-                data = _unwrite_info(data, (self._finish(replaced, {})[0], drop))
+                data = unwrite_info(data, (self._finish(replaced, {})[0], drop))
             elif include_info is not False and not written:
                 # A queued sample restored from a checkpoint that TorchRL wrote.
-                data, _ = _write_info(data, info)
+                data, _ = write_info(data, info)
         if self._fr_pinning:
             # Leftovers only (TorchRL moves ``info`` to the storage device after ``_sample``, and
             # restored prefetch queues hold clones): pinned leaves are not copied again.
-            data, info = _pinning.pin_tree((data, info))
+            data, info = pinning.pin_tree((data, info))
         if return_info:
             return data, info
         return data
@@ -250,22 +235,22 @@ class _PinnedSampleMixin:
         restored sample gets its metadata in :meth:`sample`. O(queued samples).
         """
         with super()._capture_prefetch_state(clone_queue=clone_queue) as state:
-            yield {**state, "queue": tuple(map(_upstream_form, state["queue"]))}
+            yield {**state, "queue": tuple(map(upstream_form, state["queue"]))}
 
     def __getitem__(self, index: Any) -> Any:
         data = super().__getitem__(index)
         if self._fr_pinning:
-            data = _pinning.pin_tree(data)
+            data = pinning.pin_tree(data)
         return data
 
 
 _SHADOWED = "_fastreplay_shadowed"
 
 
-def _write_info(data: Any, info: dict) -> tuple[Any, Any]:
+def write_info(data: Any, info: dict) -> tuple[Any, Any]:
     """Write the sampler's ``info`` into ``data``, as ``TensorDictReplayBuffer.sample`` does.
 
-    Returns ``data`` and what :func:`_unwrite_info` needs to give back the sample as it was:
+    Returns ``data`` and what :func:`unwrite_info` needs to give back the sample as it was:
     the stored entries the metadata replaced (usually none) and the keys to drop.
     O(number of metadata keys).
     """
@@ -303,17 +288,17 @@ def _write_info(data: Any, info: dict) -> tuple[Any, Any]:
     return data, shadowed
 
 
-def _upstream_form(result: Any) -> Any:
-    """A queued ``(data, info)`` of :meth:`_PinnedSampleMixin._sample` as TorchRL queues it."""
+def upstream_form(result: Any) -> Any:
+    """A queued ``(data, info)`` of :meth:`PinnedSamples._sample` as TorchRL queues it."""
     info = result[1]
     if not isinstance(info, dict) or _SHADOWED not in info:
         return result
     info = dict(info)
-    return _unwrite_info(result[0], info.pop(_SHADOWED)), info
+    return unwrite_info(result[0], info.pop(_SHADOWED)), info
 
 
-def _unwrite_info(data: Any, shadowed: tuple[dict, tuple]) -> Any:
-    """``data`` as it was before :func:`_write_info`; ``data`` itself is not modified.
+def unwrite_info(data: Any, shadowed: tuple[dict, tuple]) -> Any:
+    """``data`` as it was before :func:`write_info`; ``data`` itself is not modified.
 
     ``exclude`` rebuilds every level holding a dropped key, so putting back the replaced
     entries never writes into ``data``. O(number of keys).
@@ -332,171 +317,3 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value if device is None else value.to(device)
     return torch.as_tensor(value, device=device)
-
-
-class TensorDictReplayBuffer(
-    HugePageStorageMixin, _PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLBuffer
-):
-    """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
-
-    Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
-
-    - ``pin_memory=True`` pins every host tensor of the sample: metadata the buffer adds
-      (``index``, ``priority_weight``, truncation flags), transform outputs (``device=None``
-      TensorDicts and nested keys too) and ``info``. Pinned and accelerator tensors are not
-      copied; non-tensor data is untouched. With ``prefetch``, pinning runs in the prefetch
-      thread. Without an accelerator: one ``UserWarning`` at construction, then unpinned
-      samples.
-    - ``device`` (optional): samples are pinned, then moved with ``non_blocking=True``. An
-      accelerator ``device`` implies pinning.
-
-    Args:
-        pin_memory: Pin samples; read for its truth value, as TorchRL does. Defaults to
-            ``False``.
-        device: Where samples are delivered (``"cuda"``, ``"cuda:1"``, ``"cpu"``...). Must
-            exist on this machine. Defaults to ``None`` (the storage's device).
-        **kwargs: Everything :class:`torchrl.data.TensorDictReplayBuffer` accepts.
-
-    With ``shared=True`` (or ``share()``, which multi-process collectors call), the buffer is
-    checked to be shareable, its storage is moved to shared memory once it is initialized (so
-    ``fork``ed workers write into it too), and writes made by other processes are reported to
-    this process's sampler (see ``docs/scale_out.md``). A lazy storage without
-    ``shared_init=True`` must be first written in the process that shares the buffer: a first
-    write elsewhere raises ``RuntimeError``.
-
-    Raises:
-        TypeError: ``device`` is not a device-like value.
-        ValueError, RuntimeError: ``pin_memory`` has no truth value (an array or tensor of
-            several elements); the class is the one ``bool(pin_memory)`` raises.
-        ValueError: ``device`` is unknown to torch or absent from this machine; ``shared=True``
-            with a storage that other processes cannot write into.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.data import LazyTensorStorage
-        >>> from fastreplay import TensorDictReplayBuffer
-        >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=8)
-        >>> _ = rb.extend(TensorDict(obs=torch.arange(50), batch_size=[50]))
-        >>> sample = rb.sample()
-        >>> sorted(sample.keys()), sample["obs"].shape, rb.pin_memory
-        (['index', 'obs'], torch.Size([8]), False)
-    """
-
-    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
-
-    def __init__(self, *, pin_memory: bool = False, device: Any = None, **kwargs: Any) -> None:
-        self._fr_init_pinning(pin_memory, device)
-        # TorchRL's own pinning (``pin_memory_output``) stays off: it pins too early and
-        # crashes without an accelerator.
-        super().__init__(pin_memory=False, **kwargs)
-
-
-class TensorDictPrioritizedReplayBuffer(
-    HugePageStorageMixin,
-    _PinnedSampleMixin,
-    FastPathMixin,
-    SharedBufferChecks,
-    _TorchRLPrioritizedBuffer,
-):
-    """TorchRL's ``TensorDictPrioritizedReplayBuffer`` with fastreplay's sampler, pinned in full.
-
-    Same arguments and behaviour as :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`,
-    with two differences:
-
-    - the sampler is :class:`fastreplay.PrioritizedSampler` (compiled numba trees where numba
-      is installed, pure torch otherwise, so it works where TorchRL's compiled segment trees
-      do not load; new items get the live max priority of what is still stored);
-    - the ``pin_memory`` and ``device`` behaviour of :class:`TensorDictReplayBuffer`
-      (``priority_weight`` and ``index`` are pinned too).
-
-    Args:
-        alpha: Priority exponent (``>= 0``).
-        beta: Importance-sampling exponent (``>= 0``).
-        eps: Added to priorities before ``** alpha``. Defaults to ``1e-8``.
-        reduction: How ``update_tensordict_priority`` reduces per-step priorities
-            (``"max"``, ``"min"``, ``"mean"``, ``"median"``). Defaults to ``"max"``.
-        storage: The storage; defaults to TorchRL's default for this buffer.
-        sampler_device: Device of the priority trees. Defaults to ``None`` (CPU).
-        sync: As in TorchRL: ``False`` samples uniformly in worker processes.
-        pin_memory: Pin samples; read for its truth value, as TorchRL does. Defaults to
-            ``False``.
-        device: Where samples are delivered. Must exist on this machine. Defaults to ``None``.
-        **kwargs: Everything else :class:`torchrl.data.TensorDictPrioritizedReplayBuffer`
-            accepts (``priority_key``, ``batch_size``, ``transform``, ``prefetch``...).
-
-    Raises:
-        TypeError: ``device`` is not a device-like value.
-        ValueError, RuntimeError: ``pin_memory`` has no truth value (an array or tensor of
-            several elements); the class is the one ``bool(pin_memory)`` raises.
-        ValueError: ``device`` is unknown to torch or absent from this machine; bad
-            ``alpha``/``beta``/``eps`` (from :class:`fastreplay.PrioritizedSampler`);
-            ``shared=True`` with ``sync=True`` (writes from other processes would never get a
-            priority here: pass ``sync=False``) or with an unshareable storage.
-
-    Example:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from torchrl.data import LazyTensorStorage
-        >>> from fastreplay import TensorDictPrioritizedReplayBuffer
-        >>> rb = TensorDictPrioritizedReplayBuffer(
-        ...     alpha=0.7, beta=0.5, storage=LazyTensorStorage(100), batch_size=4
-        ... )
-        >>> data = TensorDict(obs=torch.arange(10), td_error=torch.rand(10), batch_size=[10])
-        >>> _ = rb.extend(data)
-        >>> sample = rb.sample()
-        >>> sorted(sample.keys())
-        ['index', 'obs', 'priority_weight', 'td_error']
-        >>> TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, pin_memory=torch.ones(2))
-        Traceback (most recent call last):
-        ...
-        RuntimeError: pin_memory=tensor([1., 1.]) (of type torch.Tensor) has no truth value: ...
-    """
-
-    __signature__ = ConstructorSignature()  # TorchRL's metaclass hides __init__
-
-    def __init__(
-        self,
-        *,
-        alpha: float,
-        beta: float,
-        eps: float = 1e-8,
-        reduction: str = "max",
-        storage: Any = None,
-        sampler_device: Any = None,
-        sync: bool = True,
-        compilable: bool = False,
-        pin_memory: bool = False,
-        device: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        from fastreplay.samplers.prioritized import PrioritizedSampler
-
-        self._fr_init_pinning(pin_memory, device)
-        # Mirrors TorchRL's ``TensorDictPrioritizedReplayBuffer.__init__`` (torchrl 0.14.1), whose
-        # only difference is that it builds TorchRL's compiled ``PrioritizedSampler``.
-        storage = self._maybe_make_storage(storage, compilable=compilable)
-        prioritized_sampler = PrioritizedSampler(
-            storage.max_size, alpha, beta, eps, reduction=reduction, device=sampler_device
-        )
-        self._sync = sync
-        self._prioritized_sampler = None
-        self._prioritized_sampler_write_count = 0
-        if sync:
-            sampler = prioritized_sampler
-        else:
-            if storage.ndim != 1:
-                raise ValueError(
-                    f"{type(self).__name__} only supports 1-D storages when sync=False, got "
-                    f"storage.ndim={storage.ndim}; pass sync=True or a 1-D storage."
-                )
-            self._prioritized_sampler = prioritized_sampler
-            sampler = RandomSampler()
-        _TorchRLBuffer.__init__(
-            self,
-            storage=storage,
-            sampler=sampler,
-            compilable=compilable,
-            pin_memory=False,
-            **kwargs,
-        )
