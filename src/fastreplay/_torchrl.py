@@ -436,12 +436,14 @@ class _SliceHooks:
             storage: Any,
         ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
             """TorchRL 0.13's ``_get_index`` tail: the slice flags and ``is_init`` markers."""
+            from fastreplay.samplers._slice_info import truncation_flags  # (imports this)
+
+            index = index.to(torch.long).unbind(-1)
+            st_index = storage[index]
             info: dict[Any, Any] = {}
             if self.truncated_key is not None:
-                truncated_key = self.truncated_key
-                done_key = _replace_last(truncated_key, "done")
-                terminated_key = _replace_last(truncated_key, "terminated")
-                truncated = torch.zeros((index.shape[0], 1), dtype=torch.bool, device=index.device)
+                truncated = torch.zeros((index[0].shape[0], 1), dtype=torch.bool)
+                truncated = truncated.to(index[0].device)
                 if target_seq_length is not None and isinstance(seq_length, torch.Tensor):
                     positions = torch.arange(
                         num_slices, device=seq_length.device
@@ -451,17 +453,7 @@ class _SliceHooks:
                     truncated.view(num_slices, -1)[:, -1] = 1
                 else:
                     truncated[seq_length.cumsum(0) - 1] = 1
-                index = index.to(torch.long).unbind(-1)
-                st_index = storage[index]
-                done = st_index.get(done_key, default=None)
-                done = truncated.clone() if done is None else done | truncated
-                terminated = st_index.get(terminated_key, default=None)
-                if terminated is None:
-                    terminated = torch.zeros_like(truncated)
-                info = {truncated_key: truncated, done_key: done, terminated_key: terminated}
-            else:
-                index = index.to(torch.long).unbind(-1)
-                st_index = storage[index]
+                info = truncation_flags(self.truncated_key, st_index, (), truncated)
             if mask_flat is not None:
                 info[("collector", "mask")] = mask_flat
             self._maybe_emit_init_marker(info, st_index, num_slices, seq_length, target_seq_length)

@@ -27,11 +27,11 @@ from fastreplay._torchrl import (
     STATIC_BOUNDARIES,
     TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
-    _replace_last,
     storage_len,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
+from fastreplay.samplers._slice_info import truncation_flags
 from fastreplay.samplers.prioritized import PrioritizedSampler, _locked, uniform_draws
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
@@ -344,21 +344,9 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
 
     def _fr_flags(self, storage: Any, index: tuple, num_slices: int, seq: Any) -> dict:
         """TorchRL's truncated/done/terminated flags, reading only those two keys."""
-        truncated_key = self.truncated_key
-        done_key = _replace_last(truncated_key, "done")
-        terminated_key = _replace_last(truncated_key, "terminated")
         truncated = torch.zeros((index[0].shape[0], 1), dtype=torch.bool)
         if isinstance(seq, int):
             truncated.view(num_slices, -1)[:, -1] = True
         else:
             truncated[seq.cumsum(0) - 1] = True
-        data = storage._storage
-        done = data.get(done_key, default=None)
-        terminated = data.get(terminated_key, default=None)
-        return {
-            truncated_key: truncated,
-            done_key: truncated.clone() if done is None else done[index] | truncated,
-            terminated_key: (
-                torch.zeros_like(truncated) if terminated is None else terminated[index]
-            ),
-        }
+        return truncation_flags(self.truncated_key, storage._storage, index, truncated)

@@ -26,12 +26,12 @@ from fastreplay._torchrl import (
     SliceSamplerWithoutReplacementBase,
     Storage,
     TorchRLSliceSamplerWithoutReplacement,
-    _replace_last,
     init_marker_key,
     is_batch_time,
     pads_short_slices,
     storage_len,
 )
+from fastreplay.samplers._slice_info import take, truncation_flags
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 
 __all__ = ["SliceSamplerWithoutReplacement"]
@@ -224,25 +224,21 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         data = storage._storage
         info: dict[Any, Any] = {}
         if self.truncated_key is not None:
-            done_key = _replace_last(self.truncated_key, "done")
-            terminated_key = _replace_last(self.truncated_key, "terminated")
             last = np.zeros((steps, 1), dtype=bool)
             last[heads[1:] - 1] = last[-1] = True
-            truncated = torch.from_numpy(last)
-            done = data.get(done_key, default=None)
-            terminated = data.get(terminated_key, default=None)
-            info[self.truncated_key] = truncated
-            if done is None or self._fr_ends_trajectories(done_key, done, index):
-                info[done_key] = truncated.clone()
-            else:
-                info[done_key] = _take(done, index) | truncated
-            info[terminated_key] = (
-                torch.zeros_like(truncated) if terminated is None else _take(terminated, index)
+            info.update(
+                truncation_flags(
+                    self.truncated_key,
+                    data,
+                    index,
+                    torch.from_numpy(last),
+                    lambda key, leaf: self._fr_ends_trajectories(key, leaf, index),
+                )
             )
         init_key = init_marker_key(self)
         existing = None if init_key is None else data.get(init_key, default=None)
         if existing is not None:
-            existing = _take(existing, index)
+            existing = take(existing, index)
             marker = np.zeros(existing.shape, dtype=bool)
             marker[heads] = True
             info[init_key] = torch.from_numpy(marker).to(existing.device) | existing
@@ -332,13 +328,6 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             self._remaining_batches = left // num_slices
         else:
             self._remaining_batches = -(left // -num_slices)
-
-
-def _take(leaf: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``leaf[index]``; with numpy for the boolean flags of a 1-dim CPU storage (4x faster)."""
-    if len(index) == 1 and leaf.dtype == torch.bool and leaf.device.type == "cpu":
-        return torch.from_numpy(np.take(leaf.numpy(), index[0].numpy(), axis=0))
-    return leaf[index]
 
 
 # TorchRL's sampler metaclass reads its dispatch table to treat ``replacement=False`` on a
