@@ -434,10 +434,18 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             storage = _SignalRows(storage)
         return super()._finalize_index(storage=storage, **kwargs)
 
-    def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
-        """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
-        if not self._fr_fast(storage):
-            return super().sample(storage, batch_size)
+    def _fr_prepare(self, storage: Any, batch_size: int) -> tuple[int, int, int, Any, int, int]:
+        """The common start of a slice ``sample``: sizes, the synced index, trajectory counts.
+
+        Returns ``(batch_size, seq_length, num_slices, index, n_all, n_long)``: the batch size
+        times TorchRL's ``_batch_size_multiplier``, the slice length and count, the trajectory
+        index brought up to date, and the number of stored trajectories (``n_long``: those at
+        least ``seq_length`` steps long). ``O(items written since the last call)``.
+
+        Raises:
+            SliceSamplerError: an empty storage, or no trajectory long enough with
+                ``strict_length=True``.
+        """
         if self._batch_size_multiplier is not None:
             batch_size = batch_size * self._batch_size_multiplier
         seq_length, num_slices = self._fr_batch(batch_size)
@@ -445,12 +453,9 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             raise SliceSamplerError(
                 "Cannot sample from an empty storage: extend the replay buffer first."
             )
-        sync = self._fr_sync
-        index = sync.sync(storage, self)
-        device = sync.device
+        index = self._fr_sync.sync(storage, self)
         n_all = int(index.counts(1).sum())
         n_long = int(index.counts(seq_length).sum())
-        any_short = n_long < n_all
         if self.strict_length and not n_long:
             lengths = index.boundaries()[2]
             raise SliceSamplerError(
@@ -458,6 +463,18 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
                 f"{int(lengths.min())} to {int(lengths.max())}) with strict_length=True; "
                 "sample shorter slices or pass strict_length=False."
             )
+        return batch_size, seq_length, num_slices, index, n_all, n_long
+
+    def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
+        """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
+        if not self._fr_fast(storage):
+            return super().sample(storage, batch_size)
+        batch_size, seq_length, num_slices, index, n_all, n_long = self._fr_prepare(
+            storage, batch_size
+        )
+        sync = self._fr_sync
+        device = sync.device
+        any_short = n_long < n_all
         min_length = seq_length if (self.strict_length and any_short) else 1
         ranks = torch.randint(
             n_long if min_length > 1 else n_all,

@@ -29,10 +29,9 @@ from fastreplay._torchrl import (
     init_marker_key,
     is_batch_time,
     pads_short_slices,
-    storage_len,
 )
 from fastreplay.samplers._slice_info import take, truncation_flags
-from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
+from fastreplay.samplers.slice import SliceSampler, _check_count
 
 __all__ = ["SliceSamplerWithoutReplacement"]
 
@@ -133,23 +132,9 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         """
         if not self._fr_fast(storage):
             return TorchRLSliceSamplerWithoutReplacement.sample(self, storage, batch_size)
-        if self._batch_size_multiplier is not None:
-            batch_size = batch_size * self._batch_size_multiplier
-        seq_length, num_slices = self._fr_batch(batch_size)
-        if storage_len(storage) == 0:
-            raise SliceSamplerError(
-                "Cannot sample from an empty storage: extend the replay buffer first."
-            )
-        index = self._fr_sync.sync(storage, self)
-        n_all = int(index.counts(1).sum())
-        n_long = int(index.counts(seq_length).sum())
-        if self.strict_length and not n_long:
-            lengths = index.boundaries()[2]
-            raise SliceSamplerError(
-                f"No trajectory is at least {seq_length} steps long (stored lengths "
-                f"{int(lengths.min())} to {int(lengths.max())}) with strict_length=True; "
-                "sample shorter slices or pass strict_length=False."
-            )
+        batch_size, seq_length, num_slices, index, n_all, n_long = self._fr_prepare(
+            storage, batch_size
+        )
         self._storage_len_buffer = n_all
         ranks = self._fr_next_trajectories(storage, n_all, num_slices)
         start, length, col = index.select(ranks, 1)
