@@ -90,8 +90,8 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   prefetch queue).
 * **Direct buffer path** (:mod:`fastreplay.buffers.paths`): it updates the counters TorchRL
   0.14 and the nightly keep for a write (writer cursor and count, storage length, last
-  cursor, mutation revision); where one is missing (0.13 has no mutation revision), every
-  write and sample takes TorchRL's own path.
+  cursor, mutation revision); where one is missing (0.13 has no mutation revision,
+  :data:`STORAGE_HAS_REVISION`), every write and sample takes TorchRL's own path.
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
   ``timeout`` and ``cancel_event`` keywords (:data:`SAMPLE_KEYWORDS`), which fastreplay's
   buffers honour on the direct path too.
@@ -175,7 +175,6 @@ __all__ = [
     "TorchRLSliceSamplerWithoutReplacement",
     "_REPLACEMENT_DISPATCH",
     "CONSUMING_SAMPLERS",
-    "DIRECT_BUFFER_PATH",
     "INT_CLASSES",
     "LazyMemmapStorage",
     "LazyTensorStorage",
@@ -269,6 +268,12 @@ HAS_CAN_SAMPLE: bool = hasattr(Sampler, "can_sample")
 """Whether TorchRL's samplers have ``can_sample`` (0.14, nightly); 0.13's do not."""
 
 
+STORAGE_HAS_REVISION: bool = hasattr(Storage, "_mutation_revision")
+"""Whether storages count their writes (0.14, nightly), so that a sampler sees writes it was
+not told about (another buffer, ``rb[idx] = ...``, another process); 0.13's do not. fastreplay's
+direct buffer path keeps that counter, so it runs only where it exists."""
+
+
 def mutation_revision(storage: Any, assumed: int) -> int:
     """The storage's write counter (``Storage._mutation_revision``). O(1).
 
@@ -280,19 +285,9 @@ def mutation_revision(storage: Any, assumed: int) -> int:
     Returns:
         The counter on TorchRL 0.14 and the nightly, ``assumed`` on 0.13.
     """
-    if _STORAGE_HAS_REVISION:
+    if STORAGE_HAS_REVISION:
         return storage._mutation_revision
     return assumed
-
-
-_STORAGE_HAS_REVISION: bool = hasattr(Storage, "_mutation_revision")
-
-DIRECT_BUFFER_PATH: bool = _STORAGE_HAS_REVISION
-"""Whether fastreplay's direct buffer path runs: it keeps the write counters of 0.14+ storages."""
-
-STORAGE_HAS_REVISION: bool = _STORAGE_HAS_REVISION
-"""Whether storages count their writes (0.14, nightly), so that a sampler sees writes it was
-not told about (another buffer, ``rb[idx] = ...``, another process); 0.13's do not."""
 
 
 TENSOR_STORAGES = (TensorStorage, LazyTensorStorage, LazyMemmapStorage)
@@ -321,7 +316,7 @@ def last_cursor_row(storage: Any) -> int | None:
     TorchRL 0.14 and the nightly keep it as ``_last_cursor_index``; 0.13 keeps the cursor as
     passed to ``set`` (an int, a tensor, a range, a tuple of them) in ``_last_cursor``.
     """
-    if _STORAGE_HAS_REVISION:
+    if STORAGE_HAS_REVISION:
         return storage._last_cursor_index
     cursor = getattr(storage, "_last_cursor", None)
     if isinstance(cursor, (tuple, list)):

@@ -40,12 +40,12 @@ from torchrl.data import LazyTensorStorage
 import fastreplay
 from conformance.conftest import IMPLS, Impl, episodes
 from fastreplay._torchrl import (
-    DIRECT_BUFFER_PATH,
     NAMES_SAMPLES,
     NOTIFIES_READINESS,
     OUTPUT_LAYOUTS,
     SAMPLE_COUNTERS,
     SAMPLE_KEYWORDS,
+    STORAGE_HAS_REVISION,
     WARNS_SHORT_FLAT_BATCH,
     Bookkeeping,
 )
@@ -53,7 +53,7 @@ from fastreplay._torchrl import (
 TORCHRL_DIR = os.path.dirname(torchrl.__file__) + os.sep
 
 requires_direct_path = pytest.mark.skipif(
-    not DIRECT_BUFFER_PATH,
+    not STORAGE_HAS_REVISION,
     reason=f"TorchRL {torchrl.__version__}: fastreplay's buffers take TorchRL's path for "
     "every call (its storages count no writes)",
 )

@@ -32,7 +32,7 @@ from tensordict import LazyStackedTensorDict, TensorDict
 from torchrl.envs.transforms import Compose, RenameTransform
 
 import fastreplay
-from fastreplay._torchrl import CONSUMING_SAMPLERS, DIRECT_BUFFER_PATH
+from fastreplay._torchrl import CONSUMING_SAMPLERS, STORAGE_HAS_REVISION
 from fastreplay.buffers import rows as _fast_io
 
 ALPHA, BETA = 0.7, 0.5
@@ -63,8 +63,8 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 def direct(counts: dict[str, int]) -> dict[str, int]:
     """The direct writes and gathers expected: none where the installed TorchRL has no
-    direct path (``fastreplay._torchrl.DIRECT_BUFFER_PATH``)."""
-    return counts if DIRECT_BUFFER_PATH else dict.fromkeys(counts, 0)
+    direct path (``fastreplay._torchrl.STORAGE_HAS_REVISION``)."""
+    return counts if STORAGE_HAS_REVISION else dict.fromkeys(counts, 0)
 
 
 def prioritized(capacity: int) -> Any:
@@ -342,7 +342,7 @@ def test_sample_batch_size_argument_and_conflict_warning(taken: dict) -> None:
     ]
     records = run_sides(script, lambda side: make(side))
     assert records["fast"][1][1][1], "the conflict warning is raised"
-    assert taken["gather"] >= (3 if DIRECT_BUFFER_PATH else 0)
+    assert taken["gather"] >= (3 if STORAGE_HAS_REVISION else 0)
 
 
 def test_include_info_false_keeps_the_stored_index() -> None:
@@ -370,7 +370,7 @@ def test_user_data_is_left_unchanged(taken: dict) -> None:
             before = data.clone()
             rb.extend(data)
             same_td(data, before)
-    assert taken["write"] == int(DIRECT_BUFFER_PATH)
+    assert taken["write"] == int(STORAGE_HAS_REVISION)
 
 
 def test_state_after_one_fast_extend_equals_torchrl(taken: dict) -> None:
@@ -379,7 +379,7 @@ def test_state_after_one_fast_extend_equals_torchrl(taken: dict) -> None:
     for n, seed in ((5, 0), (6, 1), (9, 2), (13, 3)):
         assert torch.equal(a.extend(rows(n, seed)), b.extend(rows(n, seed)))
         same_value(state(b), state(a))
-    assert taken["write"] == 3 * DIRECT_BUFFER_PATH
+    assert taken["write"] == 3 * STORAGE_HAS_REVISION
 
 
 # --------------------------------------------------------------------------- fallbacks
@@ -440,7 +440,7 @@ def test_data_that_does_not_match_the_storage_takes_the_general_path(
     # The first extend initialises the storage (general path), the mismatched data takes the
     # general path, the last matching rows the direct one. Once TorchRL has added the extra
     # key to the storage, the second extra-key write matches it and the last rows do not.
-    assert taken["write"] == int(DIRECT_BUFFER_PATH)
+    assert taken["write"] == int(STORAGE_HAS_REVISION)
 
 
 def _transformed(side: str) -> Any:
@@ -524,7 +524,7 @@ def test_other_set_ups_take_the_general_path(factory: Callable, taken: dict) -> 
 
 def test_dim_extend_zero_is_the_default_case(taken: dict) -> None:
     run_sides(script_per_step(4), _dim_extend)
-    assert (taken["write"] > 0) == DIRECT_BUFFER_PATH
+    assert (taken["write"] > 0) == STORAGE_HAS_REVISION
 
 
 def test_ndim_2_storage_takes_the_general_path(taken: dict) -> None:

@@ -43,9 +43,9 @@ from torchrl.envs.transforms import Compose
 
 from fastreplay._torchrl import (
     CONSUMING_SAMPLERS,
-    DIRECT_BUFFER_PATH,
     INT_CLASSES,
     SAMPLE_KEYWORDS,
+    STORAGE_HAS_REVISION,
     TENSOR_STORAGES,
     Bookkeeping,
     TensorDictRoundRobinWriter,
@@ -123,7 +123,7 @@ class PathChoice:
         dictionaries (a missing attribute through ``getattr`` costs an exception).
         """
         state = self.__dict__
-        if not (DIRECT_BUFFER_PATH and self._fr_fast and state.get("_initialized", False)):
+        if not (STORAGE_HAS_REVISION and self._fr_fast and state.get("_initialized", False)):
             return None
         # ``.get`` with a default that declines: an attribute TorchRL did not set means a
         # set-up this path does not know.

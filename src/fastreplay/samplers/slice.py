@@ -305,7 +305,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         self.__dict__.update(state)
 
     # ----------------------------------------------------------------------- the index
-    def _fr_fast(self, storage: Any) -> bool:
+    def _fr_indexed(self, storage: Any) -> bool:
         """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
         if self.fragmented or self.use_gpu or STATIC_BOUNDARIES in self._cache:
             return False
@@ -342,7 +342,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         return size, batch_size // size
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
-        if not self._fr_fast(storage) or storage_len(storage) == 0:
+        if not self._fr_indexed(storage) or storage_len(storage) == 0:
             return super()._get_stop_and_length(storage, fallback)
         sync = self._fr_sync
         start, stop, length, col = sync.sync(storage, self).boundaries()
@@ -467,7 +467,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
 
     def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
         """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
-        if not self._fr_fast(storage):
+        if not self._fr_indexed(storage):
             return super().sample(storage, batch_size)
         batch_size, seq_length, num_slices, index, n_all, n_long = self._fr_prepare(
             storage, batch_size

@@ -100,9 +100,9 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         self._fr_static = STATIC_BOUNDARIES in self._cache
         self._fr_perm = EpochPermutation()
 
-    def _fr_fast(self, storage: Any) -> bool:
+    def _fr_indexed(self, storage: Any) -> bool:
         """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
-        return not self._fr_static and super()._fr_fast(storage)
+        return not self._fr_static and super()._fr_indexed(storage)
 
     def state_dict(self) -> dict[str, Any]:
         """TorchRL's state: the trajectories left in the epoch as ``_sample_list``.
@@ -130,7 +130,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         Plus, up to ``4096`` trajectories, ``O(trajectories)`` whenever a new permutation is
         drawn (end of an epoch, or a change in the number of stored trajectories), as TorchRL.
         """
-        if not self._fr_fast(storage):
+        if not self._fr_indexed(storage):
             return TorchRLSliceSamplerWithoutReplacement.sample(self, storage, batch_size)
         batch_size, seq_length, num_slices, index, n_all, n_long = self._fr_prepare(
             storage, batch_size
