@@ -502,6 +502,64 @@ def test_as_dataset_streams_slices_in_workers(buffer_side: str) -> None:
         assert ((rows[:, 1:] - rows[:, :-1]) == 1).all()  # never crosses a trajectory
 
 
+def _count_rebuilds(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A process-shared count of full index rebuilds (workers are forked after the patch)."""
+    from fastreplay import _index_sync
+
+    count = mp.get_context("fork").Value("q", 0)
+    rebuild = _index_sync.IndexSync._rebuild
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with count.get_lock():
+            count.value += 1
+        return rebuild(self, *args, **kwargs)
+
+    monkeypatch.setattr(_index_sync.IndexSync, "_rebuild", counted)
+    return count
+
+
+@requires_dataset
+@pytest.mark.parametrize("shared", [False, True], ids=["unshared", "shared"])
+def test_as_dataset_workers_rebuild_at_most_once_per_write(
+    shared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers' copies of a slice sampler: incremental when the buffer is shared (writes are
+    reported to every process), at most one rebuild per write otherwise, never per batch."""
+    from torch.utils.data import DataLoader
+    from torchrl.data import tensordict_collate
+
+    rebuilds = _count_rebuilds(monkeypatch)
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=trl.LazyMemmapStorage(5000),
+        sampler=fastreplay.SliceSampler(num_slices=4, traj_key="traj"),
+        batch_size=32,
+    )
+    rb.extend(episodes(2000, 50))
+    if shared:
+        rb.share()
+    loader = DataLoader(
+        rb.as_dataset(),
+        batch_size=None,
+        num_workers=2,
+        collate_fn=tensordict_collate,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+        prefetch_factor=1,
+    )
+    batches = iter(loader)
+    writes = 4
+    for w in range(writes):
+        for _ in range(3):
+            batch = next(batches)
+            rows = batch["obs"].reshape(4, 8)
+            assert ((rows[:, 1:] - rows[:, :-1]) == 1).all()
+        rb.extend(episodes(100, 50, first_id=1000 + 10 * w))
+    for _ in range(6):
+        next(batches)
+    del batches, loader
+    assert rebuilds.value <= (0 if shared else 2 * writes)  # 2 workers
+
+
 requires_rate_limited = pytest.mark.skipif(
     not hasattr(trl, "RateLimitedReplayBuffer"),
     reason=f"TorchRL {torchrl.__version__} has no RateLimitedReplayBuffer",
