@@ -1,4 +1,4 @@
-"""Construction-time checks for replay buffers shared with writer processes.
+"""Buffers shared with writer processes: checks, shared memory, reported writes, fair locks.
 
 TorchRL shares a buffer with collector worker processes through ``ReplayBuffer(shared=True)``
 or ``buffer.share()`` (multi-process collectors call it for you). What is shared then: the
