@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torchrl
@@ -82,6 +83,9 @@ REPLACED = {
                 "sample",
                 "_sample",
                 "update_priority",
+                "update_tensordict_priority",
+                "_get_priority_vector",
+                "_anchor_reduced_priority",
                 "dim_extend",
                 "storage",
                 "_get_batch_size",
@@ -614,3 +618,48 @@ def test_notify_is_on_the_direct_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sample_keywords_match_torchrl() -> None:
     params = inspect.signature(trl.ReplayBuffer.sample).parameters
     assert {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} == SAMPLE_KEYWORDS
+
+
+@requires_direct_path
+@pytest.mark.parametrize("buffer", ["TensorDictReplayBuffer", "TensorDictPrioritizedReplayBuffer"])
+@pytest.mark.parametrize(
+    "shape", [(8,), (8, 1), (8, 3), "int", "missing"], ids=["B", "Bx1", "Bx3", "int", "missing"]
+)
+@pytest.mark.parametrize("reduction", ["max", "mean", "median"])
+def test_update_tensordict_priority_same_on_both_paths(
+    buffer: str, shape: Any, reduction: str
+) -> None:
+    def make() -> Any:
+        if buffer == "TensorDictPrioritizedReplayBuffer":
+            return fastreplay.TensorDictPrioritizedReplayBuffer(
+                alpha=0.7, beta=0.5, reduction=reduction, storage=LazyTensorStorage(37),
+                batch_size=8, priority_key="td_error",
+            )  # fmt: skip
+        return fastreplay.TensorDictReplayBuffer(
+            storage=LazyTensorStorage(37),
+            sampler=fastreplay.PrioritizedSampler(37, 0.7, 0.5, reduction=reduction),
+            batch_size=8,
+            priority_key="td_error",
+        )
+
+    fast, general = make(), make()
+    general._fr_fast = False
+    outcomes = []
+    for rb in (fast, general):
+        rb.extend(episodes(30, 7))
+        np.random.seed(3)
+        batch = rb.sample()
+        gen = torch.Generator().manual_seed(0)
+        if shape == "int":
+            batch["td_error"] = torch.randint(1, 5, (8,), generator=gen)
+        elif shape != "missing":
+            batch["td_error"] = torch.rand(shape, generator=gen) * 3
+        try:
+            rb.update_tensordict_priority(batch)
+            outcomes.append(rb._sampler._trees.raw().clone())
+        except Exception as err:  # the same error on both paths
+            outcomes.append((type(err), str(err)))
+    if isinstance(outcomes[0], torch.Tensor):
+        assert torch.equal(outcomes[0], outcomes[1])
+    else:
+        assert outcomes[0] == outcomes[1]

@@ -50,6 +50,7 @@ from fastreplay._torchrl import (
     Bookkeeping,
     TensorDictRoundRobinWriter,
     TensorStorage,
+    TorchRLPrioritizedSampler,
     _collate_id,
     _storage_index,
 )
@@ -186,9 +187,7 @@ class PathChoice:
         Bookkeeping.wrote(self)  # as ``ReplayBuffer._extend``, its locks released
         if update_priority is None or update_priority:
             try:
-                key = self.priority_key
-                # ``TensorDict.get`` of a top-level key, without its key parsing
-                vector = data._tensordict.get(key) if type(key) is str else data.get(key)
+                vector = _fast_io.entry(data, self.priority_key)
                 if vector is not None:
                     self.update_priority(index, vector)
             except Exception as e:
@@ -211,15 +210,11 @@ class PathChoice:
         pairs = _fast_io.write_pairs(store, data, skip="index")
         if pairs is None:
             return None
-        # ``write_pairs`` checked that both are exactly ``TensorDict``: their fields are read
-        # directly (the properties re-parse nothing, but cost a call each).
-        n = data._batch_size[0] if data._batch_size else 0
+        n, index_leaf, device, store_rows = _fast_io.write_fields(store, data)
         capacity = storage.max_size
-        index_leaf = store._tensordict["index"]
-        device = data._device
         if (
             not 0 < n <= capacity
-            or store._batch_size[0] != capacity
+            or store_rows != capacity
             or index_leaf.dtype != torch.long
             or index_leaf.shape != (capacity,)
             or (device is not None and device.type != "cpu")
@@ -309,6 +304,29 @@ class PathChoice:
                         self._sampler.update_priority(index, priority, storage=self._storage)
             return
         super().update_priority(index, priority)  # type: ignore[misc]
+
+    def update_tensordict_priority(self, data: Any) -> None:
+        """TorchRL's ``update_tensordict_priority``; a plain 1-D sample goes straight on.
+
+        With a prioritized sampler, a 1-D storage, no sample unit, and a floating-point
+        priority of one value per sampled row at ``priority_key``, TorchRL's reduction and
+        index reshaping return their inputs: the sample's ``index`` and priorities go to
+        :meth:`update_priority` directly. Anything else is TorchRL's method. O(1) on top of
+        ``update_priority``.
+        """
+        state = self.__dict__
+        if (
+            self._fr_fast
+            and isinstance(state.get("_sampler"), TorchRLPrioritizedSampler)
+            and state.get("_sample_unit") is None
+            and state.get("_initialized", False)
+        ):
+            storage = state.get("_storage")
+            if storage is not None and storage.ndim == 1:
+                pair = _fast_io.priority_rows(data, self.priority_key)
+                if pair is not None:
+                    return self.update_priority(*pair)
+        return super().update_tensordict_priority(data)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ sample
     def sample(

@@ -35,7 +35,15 @@ import torch
 from tensordict import MemoryMappedTensor, TensorDict
 from tensordict.utils import _StringOnlyDict
 
-__all__ = ["gather_plan", "gather_rows", "write_pairs", "write_rows"]
+__all__ = [
+    "entry",
+    "gather_plan",
+    "gather_rows",
+    "priority_rows",
+    "write_fields",
+    "write_pairs",
+    "write_rows",
+]
 
 _PLAIN_TENSORS = (torch.Tensor, MemoryMappedTensor)
 
@@ -370,3 +378,50 @@ def _direct_matches() -> bool:
 
 _object_new = object.__new__
 _new_td = _new_td_direct if _direct_matches() else _new_td_unsafe
+
+
+# ---------------------------------------------------------------------- reads of a TensorDict
+def entry(data: Any, key: Any) -> Any:
+    """``data.get(key)`` (``None`` if absent); a top-level ``str`` key without key parsing."""
+    if type(data) is TensorDict and type(key) is str:
+        return data._tensordict.get(key)
+    return data.get(key, None)
+
+
+def write_fields(
+    store: TensorDict, data: TensorDict
+) -> tuple[int, torch.Tensor, torch.device | None, int]:
+    """``(rows in data, store's "index" leaf, data's device, store's rows)`` for a write.
+
+    Both are exact ``TensorDict``s (``write_pairs`` checked): their fields are read directly
+    (the properties re-parse nothing, but cost a call each). O(1).
+    """
+    n = data._batch_size[0] if data._batch_size else 0
+    return n, store._tensordict["index"], data._device, store._batch_size[0]
+
+
+def priority_rows(data: Any, key: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(index, priority)`` of a 1-D sample whose priorities need no reduction, else ``None``.
+
+    ``TensorDictReplayBuffer.update_tensordict_priority`` reshapes the priority at ``key`` to
+    ``[batch, -1]`` and reduces the last dimension (``max``, ``min``, ``mean``, ``median`` or
+    ``sum``): for a floating-point ``[batch]`` or ``[batch, 1]`` priority every reduction
+    returns it unchanged, and its ``index`` needs no reduction either. O(1).
+    """
+    if type(data) is not TensorDict or type(key) is not str:
+        return None
+    shape = data._batch_size
+    if len(shape) != 1:
+        return None
+    fields = data._tensordict
+    priority, index = fields.get(key), fields.get("index")
+    if (
+        type(priority) is not torch.Tensor
+        or type(index) is not torch.Tensor
+        or not priority.dtype.is_floating_point
+        or index.shape != shape
+        or priority.shape[:1] != shape
+        or priority.numel() != shape[0]
+    ):
+        return None
+    return index, priority.reshape(shape)
