@@ -135,18 +135,18 @@ def test_slice_sampler_module_does_not_import_its_subclasses() -> None:
 
 # The pure cores: plain classes and functions that TorchRL adapters wire in.
 _CORES = (
-    "_epoch_permutation.py",
+    "_core/epoch_permutation.py",
     "_fast_io.py",
-    "_memory.py",
-    "_numba_jit.py",
-    "_numba_kernels.py",
+    "_core/memory.py",
+    "_core/numba_jit.py",
+    "_core/trees/numba_kernels.py",
     "_pinning.py",
-    "_segment_tree.py",
-    "_segment_tree_numba.py",
-    "_segment_tree_ops.py",
-    "_slice_indices.py",
-    "_trajectory_index.py",
-    "_tree_backends.py",
+    "_core/trees/torch_backend.py",
+    "_core/trees/numba_backend.py",
+    "_core/trees/ops.py",
+    "_core/slice_index.py",
+    "_core/trajectory_index.py",
+    "_core/trees/interface.py",
 )
 
 

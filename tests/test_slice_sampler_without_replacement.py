@@ -22,8 +22,8 @@ from conftest import (
     skip_unless_slice_args,
 )
 from fastreplay import SliceSamplerWithoutReplacement
-from fastreplay._epoch_permutation import EpochPermutation
-from fastreplay._trajectory_index import TrajectoryIndex
+from fastreplay._core.epoch_permutation import EpochPermutation
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay.samplers.slice import SliceSamplerError
 from test_slice_sampler import DONE, Episodes
 

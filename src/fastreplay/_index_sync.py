@@ -3,7 +3,7 @@
 Each of fastreplay's slice samplers owns an :class:`IndexSync`. The sampler reports the rows
 every ``extend``/``add`` wrote (:meth:`IndexSync.record`), and asks for the index at each
 ``sample`` (:meth:`IndexSync.sync`): the reported rows are read from the storage and added to a
-:class:`fastreplay._trajectory_index.TrajectoryIndex` (``O(rows written)``), or, after writes
+:class:`fastreplay._core.trajectory_index.TrajectoryIndex` (``O(rows written)``), or, after writes
 the sampler was not told about (the storage's mutation revision moved, another process wrote,
 a checkpoint was loaded, a boundary key changed), the index is rebuilt from the whole storage
 once (``O(items stored)``). Storages of ``ndim > 1`` are indexed per column; :meth:`coords`
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
-from fastreplay._trajectory_index import TrajectoryIndex
 
 __all__ = ["IndexSync"]
 

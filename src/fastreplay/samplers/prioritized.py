@@ -2,11 +2,11 @@
 
 A thin adapter: it maps TorchRL's sampler contract (arguments, scalar types, index formats,
 ``mark_update``, the default priority) onto the tree interface
-:class:`fastreplay._tree_backends.PriorityTreeBackend`, which both tree backends implement
-(:mod:`fastreplay._segment_tree_numba`, compiled loops, the default when numba is installed;
-:mod:`fastreplay._segment_tree`, pure torch, otherwise). Checkpoints live in
-:mod:`fastreplay.samplers._priority_checkpoint`, TorchRL's private tree views in
-:mod:`fastreplay.samplers._tree_views`.
+:class:`fastreplay._core.trees.interface.PriorityTreeBackend`, which both tree backends implement
+(:mod:`fastreplay._core.trees.numba_backend`, compiled loops, the default when numba is installed;
+:mod:`fastreplay._core.trees.torch_backend`, pure torch, otherwise). Checkpoints live in
+:mod:`fastreplay._core.priority_checkpoint`, TorchRL's private tree views in
+:mod:`fastreplay._core.trees.views`.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from fastreplay._segment_tree_ops import PriorityOverflowError, check_mass, mass_of
+from fastreplay._core.priority_checkpoint import CheckpointError, PriorityCheckpoints
+from fastreplay._core.priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
+from fastreplay._core.priority_common import locked as _locked
+from fastreplay._core.priority_common import scalar as _scalar
+from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees, move_trees
+from fastreplay._core.trees.ops import PriorityOverflowError, check_mass, mass_of
+from fastreplay._core.trees.views import TorchRLTreeViews
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import Storage, storage_len
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
-from fastreplay._tree_backends import PriorityTreeBackend, make_trees, move_trees
-from fastreplay.samplers._priority_checkpoint import CheckpointError, PriorityCheckpoints
-from fastreplay.samplers._priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
-from fastreplay.samplers._priority_common import locked as _locked
-from fastreplay.samplers._priority_common import scalar as _scalar
-from fastreplay.samplers._tree_views import TorchRLTreeViews
 
 __all__ = [
     "CheckpointError",

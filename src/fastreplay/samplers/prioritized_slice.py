@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastreplay._core.slice_index import slice_index
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     PRIORITIZED_SLICE_ARGS,
     STATIC_BOUNDARIES,

@@ -10,10 +10,11 @@ import torch
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 
+from fastreplay._core.slice_index import slice_index
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import constructor_signature
 from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
@@ -23,7 +24,6 @@ from fastreplay._torchrl import (
     storage_len,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
-from fastreplay._trajectory_index import TrajectoryIndex
 
 __all__ = [
     "MissingKeyError",
@@ -408,7 +408,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
 
         TorchRL's ``_get_index`` without ``span`` in a 1-D storage: the same draw (one
         ``torch.rand`` per slice, on ``device``) and the same index, built by
-        :func:`fastreplay._slice_indices.slice_index`; the info is ``_finalize_index``'s.
+        :func:`fastreplay._core.slice_index.slice_index`; the info is ``_finalize_index``'s.
         """
         draw = torch.rand(start.shape[0], device=device, generator=self._rng)
         (steps,), _ = slice_index(start, seq, rows, length=length, draw=draw.cpu().numpy())

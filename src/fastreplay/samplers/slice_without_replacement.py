@@ -5,7 +5,7 @@ A thin adapter: a :class:`fastreplay.SliceSampler` (as TorchRL's class is a Torc
 epoch bookkeeping (``drop_last``, ``shuffle``,
 a new epoch when the number of trajectories changes) follows TorchRL's
 ``SamplerWithoutReplacement``, with large shuffled epochs drawn lazily by
-:class:`fastreplay._epoch_permutation.EpochPermutation`.
+:class:`fastreplay._core.epoch_permutation.EpochPermutation`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from tensordict.utils import NestedKey
 
-from fastreplay._epoch_permutation import EpochPermutation
+from fastreplay._core.epoch_permutation import EpochPermutation
+from fastreplay._core.slice_index import slice_index
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
@@ -198,7 +198,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         """One slice of ``seq`` steps in each trajectory ``(start, length, col)``: ``O(batch)``.
 
         TorchRL's ``_get_index`` (the same random numbers, the same outputs), built by
-        :func:`fastreplay._slice_indices.slice_index`. Only the flags' and markers' keys are
+        :func:`fastreplay._core.slice_index.slice_index`. Only the flags' and markers' keys are
         gathered from the storage, where TorchRL gathers every stored key of the sampled steps
         (``storage[index]``) to read two or three.
         """

@@ -1,7 +1,7 @@
 """Checked priority writes and sampling on priority trees (no TorchRL imports).
 
 The sampler-level operations of the tree interface
-(:class:`fastreplay._tree_backends.PriorityTreeBackend`), shared by both backends:
+(:class:`fastreplay._core.trees.interface.PriorityTreeBackend`), shared by both backends:
 
 * :func:`validate` and :func:`check_mass`: the atomic checks of a priority write, with the
   error classes and messages the samplers raise (:class:`PriorityOverflowError` for a mass that
@@ -9,11 +9,11 @@ The sampler-level operations of the tree interface
   only to raise (or to decide a mass near the dtype's limit exactly);
 * :class:`TorchTreeOps`, the pure-torch backend's ``check_and_write`` (bulk writes in chunks
   of bounded memory), ``mark_update`` and ``sample``, mixed into
-  :class:`fastreplay._segment_tree.PriorityTrees`.
+  :class:`fastreplay._core.trees.torch_backend.PriorityTrees`.
 
 Example:
     >>> import torch
-    >>> from fastreplay._segment_tree import PriorityTrees
+    >>> from fastreplay._core.trees.torch_backend import PriorityTrees
     >>> trees = PriorityTrees(7)
     >>> trees.check_and_write(torch.tensor([0, 3]), torch.tensor([1.0, 3.0]), 7, 0.0, 1.0, True)
     (3.0, 3)
@@ -176,9 +176,9 @@ def validate(
 
 
 class TorchTreeOps:
-    """The sampler operations of :class:`fastreplay._segment_tree.PriorityTrees` (a mixin).
+    """The sampler operations of :class:`~fastreplay._core.trees.torch_backend.PriorityTrees`.
 
-    See :class:`fastreplay._tree_backends.PriorityTreeBackend` for the contract.
+    See :class:`fastreplay._core.trees.interface.PriorityTreeBackend` for the contract.
     """
 
     bulk_chunk = 1 << 16  # smallest chunk of a bulk write (chunks are capacity / 16 or this)
@@ -255,7 +255,7 @@ class TorchTreeOps:
     ) -> tuple[float, int]:
         """Write the default priority at every slot of ``index``. O(k log_B capacity).
 
-        See :meth:`fastreplay._tree_backends.PriorityTreeBackend.mark_update`.
+        See :meth:`fastreplay._core.trees.interface.PriorityTreeBackend.mark_update`.
         """
         i_min, i_max = (bound.item() for bound in torch.aminmax(index))
         if not 0 <= i_min <= i_max < stored:  # -1 markers, or a bad index (raises first)

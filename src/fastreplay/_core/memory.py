@@ -16,7 +16,7 @@ view, as with ``numpy.zeros``, and pickling copies the values.
 
 Example:
     >>> import numpy as np
-    >>> from fastreplay._memory import large_zeros
+    >>> from fastreplay._core.memory import large_zeros
     >>> tree = large_zeros((3, 1_000_000), np.float64)
     >>> tree.shape, tree.dtype, float(tree.sum()), tree.flags.c_contiguous
     ((3, 1000000), dtype('float64'), 0.0, True)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastreplay.samplers._priority_common import FLOAT_DTYPES, locked, scalar
+from fastreplay._core.priority_common import FLOAT_DTYPES, locked, scalar
 
 if TYPE_CHECKING:
-    from fastreplay._tree_backends import PriorityTreeBackend
+    from fastreplay._core.trees.interface import PriorityTreeBackend
 
 __all__ = ["CheckpointError", "PriorityCheckpoints"]
 
