@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from fastreplay._core.trajectory_index import TrajectoryIndex
-from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
+from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
 __all__ = ["IndexSync"]
 

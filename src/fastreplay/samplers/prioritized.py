@@ -17,16 +17,22 @@ from typing import Any
 
 import torch
 
-from fastreplay._core.priority_checkpoint import CheckpointError, PriorityCheckpoints
+from fastreplay._core.priority_checkpoint import PriorityCheckpoints
 from fastreplay._core.priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
 from fastreplay._core.priority_common import locked as _locked
 from fastreplay._core.priority_common import scalar as _scalar
 from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees, move_trees
-from fastreplay._core.trees.ops import PriorityOverflowError, check_mass, mass_of
+from fastreplay._core.trees.ops import check_mass, mass_of
 from fastreplay._core.trees.views import TorchRLTreeViews
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import Storage, storage_len
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
+from fastreplay.errors import (
+    CheckpointError,
+    PriorityOverflowError,
+    PriorityShapeError,
+    _UnsupportedError,
+)
 
 __all__ = [
     "CheckpointError",
@@ -34,17 +40,6 @@ __all__ = [
     "PriorityOverflowError",
     "PriorityShapeError",
 ]
-
-
-class PriorityShapeError(ValueError, RuntimeError):
-    """Priorities that do not match the index, or coordinates without ``storage``.
-
-    A :class:`RuntimeError`, as TorchRL raises in these cases, and a :class:`ValueError`.
-    """
-
-
-class _UnsupportedError(ValueError, NotImplementedError):
-    """An unsupported ``dtype`` (TorchRL raises :class:`NotImplementedError`)."""
 
 
 class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioritizedSampler):

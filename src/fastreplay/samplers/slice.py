@@ -14,7 +14,6 @@ from fastreplay._core.slice_index import slice_index
 from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import constructor_signature
-from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
@@ -24,6 +23,7 @@ from fastreplay._torchrl import (
     storage_len,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
+from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
 __all__ = [
     "MissingKeyError",

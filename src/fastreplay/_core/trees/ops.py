@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fastreplay.errors import PriorityOverflowError
+
 __all__ = [
     "FLOAT32_LIMIT",
     "PriorityOverflowError",
@@ -44,18 +46,6 @@ __all__ = [
 
 # A float64 value rounds to a finite float32 iff it is below FLT_MAX + half an ulp (2 ** 103).
 FLOAT32_LIMIT = float(torch.finfo(torch.float32).max) + 2.0**103
-
-
-class PriorityOverflowError(OverflowError, ValueError):
-    """A priority whose sampling mass ``(p + eps) ** alpha`` does not fit the sampler's dtype.
-
-    An :class:`OverflowError` (what TorchRL raises when such a mass reaches its trees) and a
-    :class:`ValueError` (what fastreplay raises for other bad priorities).
-    """
-
-
-# Users import it from the sampler module (which re-exports it): tracebacks name it there.
-PriorityOverflowError.__module__ = "fastreplay.samplers.prioritized"
 
 
 def mass_limit(f32: bool, slots: int) -> float:

@@ -1,4 +1,4 @@
-"""Ray replay buffers whose construction errors are raised at construction.
+"""``fastreplay.RayReplayBuffer``: Ray replay buffers whose construction errors are raised there.
 
 TorchRL's ``RayReplayBuffer`` (and ``ReplayBuffer(service_backend="ray")``) builds the buffer
 inside a Ray actor and returns at once. When the actor's constructor raises (a sampler given a
@@ -36,18 +36,11 @@ from typing import Any
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import TorchRLRayReplayBuffer as _TorchRLRayReplayBuffer
 from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
+from fastreplay.errors import ReplayBufferClassError
 
-__all__ = ["RayReplayBuffer", "checked_actor_class"]
+__all__ = ["RayReplayBuffer", "ReplayBufferClassError", "checked_actor_class"]
 
 _INSTALL = "pip install ray"
-
-
-class ReplayBufferClassError(TypeError, AttributeError):
-    """``replay_buffer_cls`` is not a replay-buffer class.
-
-    TorchRL fails on ``replay_buffer_cls.as_remote`` (``AttributeError``); a wrong type is a
-    ``TypeError``: this class is both.
-    """
 
 
 def _ray_installed() -> bool:
@@ -235,7 +228,7 @@ class RayReplayBuffer(_TorchRLRayReplayBuffer):
         ... )
         Traceback (most recent call last):
         ...
-        fastreplay._ray.ReplayBufferClassError: replay_buffer_cls=functools.partial(...) ...
+        fastreplay.errors.ReplayBufferClassError: replay_buffer_cls=functools.partial(...) ...
     """
 
     __signature__ = _ForwardingSignature()  # TorchRL's metaclass hides __init__
