@@ -189,7 +189,8 @@ CONSUMING_SAMPLERS: tuple[type, ...] = tuple(
 
 
 def _init_args(cls: type) -> frozenset[str]:
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not ``self``
+    init = cls.__init__  # type: ignore[misc]  # the class's, not an instance's
+    params = list(inspect.signature(init).parameters.values())[1:]  # not ``self``
     return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
@@ -393,6 +394,9 @@ class _SliceHooks:
 
     Nothing is defined where the installed TorchRL has it.
     """
+
+    truncated_key: Any  # TorchRL's SliceSampler's
+    _maybe_emit_init_marker: Any
 
     if "end_keys" not in SLICE_SAMPLER_ARGS:
         end_keys = None

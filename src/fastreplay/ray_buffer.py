@@ -80,7 +80,7 @@ def _guarded(cls: type) -> type:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         self._fr_construction = None
         try:
-            cls.__init__(self, *args, **kwargs)
+            cls.__init__(self, *args, **kwargs)  # type: ignore[misc]  # the class's own
         except Exception as err:  # kept, sent back and raised by the constructing process
             remote = "".join(traceback.format_exception(err))
             try:
@@ -252,10 +252,10 @@ class RayReplayBuffer(_TorchRLRayReplayBuffer):
                 "share a storage with shared=True: see docs/scale_out.md)."
             )
         super().__init__(
-            replay_buffer_cls=_CheckedClass(replay_buffer_cls),  # type: ignore[arg-type]
+            replay_buffer_cls=_CheckedClass(replay_buffer_cls),
             ray_init_config=ray_init_config,
             remote_config=remote_config,
-            transport=transport,  # type: ignore[arg-type]
+            transport=transport,
             transport_options=transport_options,
             delayed_init=delayed_init,
             **kwargs,

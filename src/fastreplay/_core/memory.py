@@ -70,6 +70,7 @@ def large_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if not huge_pages_advised(nbytes):
         return np.zeros(shape, dtype)
+    assert _PRIVATE is not None and _ANONYMOUS is not None and _ADVICE is not None  # advised
     try:
         # One extra huge page of address space, so an aligned start fits inside it.
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=_PRIVATE | _ANONYMOUS)

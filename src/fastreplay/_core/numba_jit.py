@@ -19,7 +19,7 @@ from typing import Any
 try:  # optional dependency: ``pip install numba``
     import numba
 except ImportError:  # pragma: no cover - depends on the environment
-    numba = None
+    numba = None  # type: ignore[assignment, unused-ignore]  # (Any where numba is missing)
 
 NUMBA_AVAILABLE = numba is not None
 

@@ -222,6 +222,8 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     end_key = _BoundaryKey()
     end_keys = _BoundaryKey()
     traj_key = _BoundaryKey()
+    num_slices: int | None  # set by TorchRL's __init__, checked by ours
+    slice_len: int | None
 
     def __init__(self, **kwargs: Any) -> None:
         """Build the sampler; arguments as in the installed ``torchrl.data.SliceSampler``.
@@ -452,10 +454,10 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         n_long = int(index.counts(seq_length).sum())
         any_short = n_long < n_all
         if self.strict_length and not n_long:
-            lengths = index.boundaries()[2]
+            stored = index.boundaries()[2]
             raise SliceSamplerError(
                 f"No trajectory is at least {seq_length} steps long (stored lengths "
-                f"{int(lengths.min())} to {int(lengths.max())}) with strict_length=True; "
+                f"{int(stored.min())} to {int(stored.max())}) with strict_length=True; "
                 "sample shorter slices or pass strict_length=False."
             )
         min_length = seq_length if (self.strict_length and any_short) else 1

@@ -272,6 +272,9 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
     # per call. ``_sample_list`` stays readable and writable for TorchRL's code and for state
     # dicts: a list set there (a loaded checkpoint) is consumed in order, as TorchRL does.
     _fr_lazy_above = 4096
+    _fr_lazy: bool  # the epoch is drawn lazily (in ``_fr_perm``), else listed in ``_fr_list``
+    _fr_list: Any  # a tensor; None while the epoch is drawn lazily
+    len_storage: int  # TorchRL's
 
     @property
     def _sample_list(self) -> torch.Tensor | None:
