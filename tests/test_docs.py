@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import fastreplay
+from conftest import REPO
 from markdown_runner import extract_blocks, run_markdown
 
-REPO = Path(__file__).resolve().parents[1]
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # Blocks fenced ``python no-run`` on purpose, per file: changing one is a visible decision.

@@ -16,13 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, requires_numba
 from fastreplay._core.trees.interface import available_backends
-
-requires_numba = pytest.mark.skipif(
-    "numba" not in available_backends(),
-    reason="numba is not installed here (optional extra 'fast'): nothing to compile or cache",
-)
 
 
 def _run(

@@ -31,6 +31,7 @@ from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer
 
 import fastreplay
 import fastreplay.ray_buffer
+from conftest import REPO
 from fastreplay._torchrl import ray_runtime_lease as _ray_runtime_lease
 from test_scale_out import BATCH, NUM_SLICES, assert_valid, episode
 
@@ -45,7 +46,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Creating .*WeightUpdater which inherits from WeightUpdaterBase:DeprecationWarning"
 )
 
-REPO = Path(__file__).resolve().parents[1]
 CAPACITY = 101
 REMOTE = {"num_cpus": 0}  # the actor takes no CPU slot: tests never wait for one
 

@@ -13,14 +13,10 @@ import pytest
 import torch
 
 import fastreplay._core.trees.numba_backend as numba_trees
-from conftest import requires_cuda
+from conftest import requires_cuda, requires_numba
 from fastreplay._core.trees.interface import available_backends, make_trees
 from fastreplay._core.trees.torch_backend import PriorityTrees
 
-requires_numba = pytest.mark.skipif(
-    not numba_trees.NUMBA_AVAILABLE,
-    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
-)
 BACKENDS = [
     "torch",
     pytest.param("numba", marks=requires_numba),

@@ -18,15 +18,10 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import fastreplay._core.trees.numba_backend as numba_trees
-from conftest import requires_cuda, requires_torchrl_ext
+from conftest import requires_cuda, requires_numba, requires_torchrl_ext
 from fastreplay import PrioritizedSampler
 from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees
 from fastreplay._core.trees.torch_backend import PriorityTrees
-
-requires_numba = pytest.mark.skipif(
-    not numba_trees.NUMBA_AVAILABLE,
-    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
-)
 
 
 @pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])
