@@ -113,20 +113,22 @@ from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as TorchRLReplayBuffer
 from torchrl.data.replay_buffers import samplers as _samplers
 from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer as TorchRLRayReplayBuffer
-from torchrl.data.replay_buffers.replay_buffers import _storage_index
-from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH, Sampler
+from torchrl.data.replay_buffers.replay_buffers import _storage_index as _storage_index
+from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH as _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
+from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.samplers import SliceSampler as TorchRLSliceSampler
 from torchrl.data.replay_buffers.storages import (
     LazyMemmapStorage,
     LazyTensorStorage,
     Storage,
     TensorStorage,
-    _collate_id,
 )
+from torchrl.data.replay_buffers.storages import _collate_id as _collate_id
 from torchrl.data.replay_buffers.utils import INT_CLASSES
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
 
+# What the rest of fastreplay uses; TorchRL's private names it uses are re-exported as `x as x`.
 __all__ = [
     "TENSOR_STORAGES",
     "storage_len",
@@ -160,15 +162,11 @@ __all__ = [
     "TorchRLReplayBuffer",
     "TorchRLSliceSampler",
     "TorchRLSliceSamplerWithoutReplacement",
-    "_REPLACEMENT_DISPATCH",
     "CONSUMING_SAMPLERS",
     "DIRECT_BUFFER_PATH",
     "INT_CLASSES",
     "LazyMemmapStorage",
     "LazyTensorStorage",
-    "_collate_id",
-    "_storage_index",
-    "_replace_last",
     "find_start_stop_traj",
     "init_marker_key",
     "is_batch_time",

@@ -116,14 +116,6 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             self._sample_list = self._sample_list
         return super().state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the epoch state; the trajectory index is rebuilt at the next sample."""
-        super().load_state_dict(state_dict)
-
-    def loads(self, path: Any) -> None:
-        """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
-        super().loads(path)
-
     # ------------------------------------------------------------------------ sampling
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """The next trajectories of the epoch, one slice each: ``O(batch)`` per call.
