@@ -71,25 +71,6 @@ class IndexSync:
         copy.__dict__.update(self.__getstate__())
         return copy
 
-    @classmethod
-    def upgrade(cls, state: dict[str, Any]) -> None:
-        """Give a sampler's pickled ``state`` from an earlier fastreplay its sync. O(1).
-
-        Earlier versions kept the sync's fields on the sampler (``_fr_index``, ``_fr_dirty``,
-        ...); they are moved into a new :class:`IndexSync`, which rebuilds at its first
-        :meth:`sync`. A state that has its sync is left as it is.
-        """
-        if "_fr_sync" in state:
-            return
-        sync = cls()
-        for old, new in (("revision", "_revision"), ("pending_writes", "_pending_writes")):
-            setattr(sync, new, state.pop(f"_fr_{old}", 0))
-        sync._loaded = state.pop("_fr_loaded", False)
-        for old in ("index", "spec", "storage", "pending", "dirty"):
-            state.pop(f"_fr_{old}", None)
-        sync.dirty = True
-        state["_fr_sync"] = sync
-
     @property
     def device(self) -> Any:
         """The device of the storage's signal at the last :meth:`sync`."""

@@ -162,10 +162,6 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         self._fr_sync = IndexSync()  # storage -> trajectory index, told about every write
         self._fr_static: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        IndexSync.upgrade(state)  # pickled by an earlier version: the index fields, moved
-        PrioritizedSampler.__setstate__(self, state)
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_slices={self.num_slices}, slice_len={self.slice_len}, "

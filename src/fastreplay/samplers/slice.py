@@ -302,10 +302,6 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         state["_fr_sync"] = self._fr_sync.detached()  # a copy rebuilds from its storage
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        IndexSync.upgrade(state)  # pickled by an earlier version: the index fields, moved
-        self.__dict__.update(state)
-
     # ----------------------------------------------------------------------- the index
     def _fr_fast(self, storage: Any) -> bool:
         """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
