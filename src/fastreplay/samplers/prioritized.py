@@ -235,12 +235,6 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fr_lock = threading.RLock()
-        if "_written_end" not in state:  # pickled by an earlier version
-            self._written_end = self._find_written_end()
-        for name in ("alpha", "beta"):  # scalars may be tensors in earlier pickles
-            self.__dict__.setdefault(f"_{name}_as_given", state[f"_{name}"])
-            setattr(self, f"_{name}", _scalar(state[f"_{name}"], name))
-        self._eps = _scalar(state["_eps"], "eps")
 
     @property
     def device(self) -> torch.device:
