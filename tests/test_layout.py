@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from conftest import REPO
 
 PACKAGE = Path(importlib.util.find_spec("fastreplay").submodule_search_locations[0])
 FORBIDDEN = ("torchrl", "tensordict")
@@ -218,3 +221,50 @@ def test_dynamic_check_finds_a_core_module_that_imports_tensordict(tmp_path: Pat
     result = _import_all(tmp_path / "fastreplay")
     assert result["imported"] == ["fastreplay._core.helper"]
     assert "tensordict" in result["forbidden"]
+
+
+# ----------------------------------------------------------------------- README's layout tree
+_TREE_LINE = re.compile(r"^(?P<prefix>(?:│   |    )*)(?:├── |└── )?(?P<name>\S+)")
+
+
+def readme_tree(text: str) -> list[str]:
+    """The paths named in the ``text`` block under README's ``## Layout``, from the repo root."""
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```text\n(.*?)```", section, flags=re.S)
+    assert block, "README's Layout section has no ```text tree"
+    lines = block.group(1).splitlines()
+    assert lines[0] == ".", lines[0]
+    parents: list[str] = []
+    paths = []
+    for line in lines[1:]:
+        m = _TREE_LINE.match(line)
+        assert m, line
+        depth = len(m["prefix"]) // 4
+        parents = parents[:depth]
+        path = "".join(parents) + m["name"]
+        paths.append(path)
+        if path.endswith("/"):
+            parents.append(m["name"])
+    return paths
+
+
+def test_readme_tree_parser() -> None:
+    lines = ["x", "## Layout", "", "```text", ".", "├── a/", "│   ├── b.py  what it is"]
+    lines += ["│   └── c/", "│       └── d.py", "└── e", "```", "## Next"]
+    text = "\n".join(lines)
+    assert readme_tree(text) == ["a/", "a/b.py", "a/c/", "a/c/d.py", "e"]
+
+
+def test_readme_layout_is_the_real_tree() -> None:
+    named = readme_tree((REPO / "README.md").read_text(encoding="utf-8"))
+    missing = [p for p in named if not (REPO / p.rstrip("/")).exists()]
+    assert not missing, f"README's Layout names paths that do not exist: {missing}"
+    modules = sorted(
+        str(p.relative_to(REPO))
+        for p in (REPO / "src" / "fastreplay").rglob("*.py")
+        if not (p.name == "__init__.py" and p.parent != REPO / "src" / "fastreplay")
+    )
+    unnamed = [m for m in modules if m not in named]
+    assert not unnamed, f"README's Layout does not name: {unnamed} (subpackages: their folder)"
+    folders = {f"{p.parent.relative_to(REPO)}/" for p in (REPO / "src").rglob("__init__.py")}
+    assert not folders - set(named), folders - set(named)
