@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from fastreplay._core.trees.interface import available_backends
 from fastreplay._torchrl import (
     SHORT_FLAT_BATCH_MESSAGE,
     SLICE_SAMPLER_ARGS,
@@ -69,6 +71,33 @@ requires_storage_revision = pytest.mark.skipif(
 requires_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
 )
+requires_numba = pytest.mark.skipif(
+    "numba" not in available_backends(),
+    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
+)
+
+
+def assert_same_sample(got: tuple, expected: tuple) -> None:
+    """Two samplers' ``sample`` results ``(index, info)``: equal index tensors and info."""
+    assert len(got[0]) == len(expected[0])
+    for a, b in zip(got[0], expected[0], strict=True):
+        assert torch.equal(a, b)
+    assert got[1].keys() == expected[1].keys()
+    for key in got[1]:
+        assert torch.equal(got[1][key], expected[1][key]), key
+
+
+def assert_same_tensordict(a: Any, b: Any) -> None:
+    """Same leaves (keys in any order), each of the same type and dtype and equal."""
+    assert set(a.keys(True, True)) == set(b.keys(True, True))
+    assert a.batch_size == b.batch_size
+    for key in a.keys(True, True):
+        va, vb = a.get(key), b.get(key)
+        assert type(va) is type(vb), key
+        if isinstance(va, torch.Tensor):
+            assert va.dtype == vb.dtype and torch.equal(va, vb), key
+        else:
+            assert va == vb, key
 
 
 def shutdown(buffer: object) -> None:

@@ -133,30 +133,52 @@ def test_slice_sampler_module_does_not_import_its_subclasses() -> None:
     assert not {m for m in imported if m.startswith("fastreplay.samplers.")}, imported
 
 
-# The pure cores: plain classes and functions that TorchRL adapters wire in.
-_CORES = (
-    "_epoch_permutation.py",
-    "_memory.py",
-    "_numba_jit.py",
-    "_numba_kernels.py",
-    "_segment_tree.py",
-    "_segment_tree_numba.py",
-    "_segment_tree_ops.py",
-    "_slice_indices.py",
-    "_trajectory_index.py",
-    "_tree_backends.py",
+# Where users import each error class from (the modules that raise them re-export them).
+_ERROR_EXPORTS = {
+    "fastreplay.samplers.slice": ("MissingKeyError", "SignalTypeError", "SliceSamplerError"),
+    "fastreplay.samplers.prioritized": (
+        "CheckpointError",
+        "PriorityOverflowError",
+        "PriorityShapeError",
+    ),
+    "fastreplay.ray_buffer": ("ReplayBufferClassError",),
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), [(m, n) for m, ns in _ERROR_EXPORTS.items() for n in ns]
 )
+def test_error_classes_live_in_fastreplay_errors(module: str, name: str) -> None:
+    import importlib
+    import pickle
+
+    from fastreplay import errors
+
+    cls = getattr(importlib.import_module(module), name)
+    assert cls is getattr(errors, name) and cls.__module__ == "fastreplay.errors"
+    assert name in errors.__all__
+    error = pickle.loads(pickle.dumps(cls("message")))
+    assert type(error) is cls and str(error) == "message"
+    # A pickle naming the class where it is re-exported loads too.
+    old = pickle.dumps(cls("message"), protocol=0).replace(b"fastreplay.errors", module.encode())
+    assert type(pickle.loads(old)) is cls
 
 
-@pytest.mark.parametrize("name", _CORES)
-def test_pure_cores_import_no_torchrl_and_stay_small(name: str) -> None:
-    path = Path(fastreplay.__file__).parent / name
-    source = path.read_text()
-    modules = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            modules.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            modules.add(node.module)
-    assert not {m for m in modules if m.split(".")[0] == "torchrl"}, f"{name} imports TorchRL"
-    assert len(source.splitlines()) <= 400, f"{name} has {len(source.splitlines())} lines"
+def test_every_error_class_is_defined_in_fastreplay_errors() -> None:
+    """No class deriving from ``Exception`` is defined elsewhere, nor renamed via ``__module__``."""
+    root = Path(fastreplay.__file__).parent
+    elsewhere = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "errors.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Attribute) and t.attr == "__module__" for t in node.targets
+            ):
+                elsewhere.append(f"{path.relative_to(root)}:{node.lineno}: sets __module__")
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(base, ast.Name) and base.id.endswith(("Error", "Exception"))
+                for base in node.bases
+            ):
+                elsewhere.append(f"{path.relative_to(root)}: {node.name}")
+    assert not elsewhere, elsewhere

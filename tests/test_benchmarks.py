@@ -36,7 +36,7 @@ from benchmarks.harness import (
     scenario_specs,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
 
 
 def _env() -> dict[str, str]:

@@ -29,8 +29,13 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritized
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 import fastreplay
-from conftest import TORCHRL_EXT, requires_cuda, shutdown, synchronize
-from fastreplay import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from conftest import TORCHRL_EXT, assert_same_tensordict, requires_cuda, shutdown, synchronize
+from fastreplay import (
+    PrioritizedSampler,
+    SliceSampler,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 from fastreplay.buffers import pinning as _pinning
 
 N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
@@ -140,13 +145,6 @@ def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_pinning, "_pin_tensor", must_not_pin)
 
 
-def _fastreplay_sampler(name: str) -> type:
-    cls = getattr(fastreplay, name, None)
-    if cls is None:
-        pytest.skip(f"fastreplay.{name} is not in this branch yet (merged separately)")
-    return cls
-
-
 def _requires_ext() -> None:
     if not TORCHRL_EXT:
         pytest.skip("TorchRL's PrioritizedSampler needs its compiled extension (absent here)")
@@ -161,9 +159,9 @@ def make_sampler(kind: str) -> Any:
         _requires_ext()
         return TorchRLPrioritizedSampler(CAPACITY, alpha=0.7, beta=0.5)
     if kind == "fastreplay-slice":
-        return _fastreplay_sampler("SliceSampler")(slice_len=3, traj_key="traj")
+        return SliceSampler(slice_len=3, traj_key="traj")
     if kind == "fastreplay-prioritized":
-        return _fastreplay_sampler("PrioritizedSampler")(CAPACITY, alpha=0.7, beta=0.5)
+        return PrioritizedSampler(CAPACITY, alpha=0.7, beta=0.5)
     raise AssertionError(kind)
 
 
@@ -200,16 +198,6 @@ def make_buffer(cls: type, kind: str, chunks: list | None = None, **kwargs: Any)
 def generator(value: int) -> torch.Generator:
     """A buffer's own generator: samples do not depend on other draws of the global RNG."""
     return torch.Generator().manual_seed(value)
-
-
-def assert_same_sample(a: TensorDict, b: TensorDict) -> None:
-    assert set(a.keys(True, True)) == set(b.keys(True, True))
-    for key in a.keys(True, True):
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, torch.Tensor):
-            torch.testing.assert_close(va, vb, rtol=0, atol=0, msg=str(key))
-        else:
-            assert va == vb, key
 
 
 def assert_slices_consistent(sample: TensorDict) -> None:
@@ -391,7 +379,7 @@ def test_samples_equal_torchrl(kind: str, pinning: bool, request: pytest.Fixture
     ref = make_buffer(TorchRLBuffer, kind, generator=generator(1))
     want = [ref.sample(return_info=True) for _ in range(3)]
     for (data, info), (ref_data, ref_info) in zip(got, want, strict=True):
-        assert_same_sample(data, ref_data)
+        assert_same_tensordict(data, ref_data)
         assert set(info) == set(ref_info)
         for (_, a), (_, b) in zip(tensor_leaves(info), tensor_leaves(ref_info), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -431,7 +419,7 @@ def test_prioritized_buffer_pins_weights_and_matches_torchrl(
             priority = (data["obs"] % 7 + 1).float()
             if prefetch is None:
                 ref_data = ref.sample()
-                assert_same_sample(data, ref_data)
+                assert_same_tensordict(data, ref_data)
                 ref.update_priority(ref_data["index"], priority)
             data.set("td_error", priority)
             ours.update_tensordict_priority(data)
@@ -523,7 +511,7 @@ def test_no_accelerator_warns_once_then_samples_unpinned(kind: str):
             warnings.simplefilter("error")  # no second warning, from any thread
             first = rb.sample()
             assert set(first.keys(True, True)) >= EXPECTED_METADATA[kind]
-            assert_same_sample(first, ref.sample())
+            assert_same_tensordict(first, ref.sample())
             for _ in range(3):
                 rb.sample()
     finally:
@@ -753,7 +741,7 @@ def test_cuda_device_delivers_device_tensors():
         data, info = rb.sample(return_info=True)
         assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
         assert _real_unpinned(info) == []
-        assert_same_sample(data.cpu(), ref.sample())
+        assert_same_tensordict(data.cpu(), ref.sample())
     finally:
         shutdown(rb)
 
@@ -815,7 +803,7 @@ def test_storage_on_device_samples_like_torchrl(
             ref_data, ref_info = ref.sample(return_info=True)
             # Data and metadata stay on the storage's device, as in TorchRL.
             assert {t.device.type for _, t in tensor_leaves(data)} == {storage_device}
-            assert_same_sample(data.cpu(), ref_data.cpu())
+            assert_same_tensordict(data.cpu(), ref_data.cpu())
             for (_, a), (_, b) in zip(tensor_leaves(info), tensor_leaves(ref_info), strict=True):
                 assert a.device == b.device
                 torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0)
@@ -825,7 +813,7 @@ def test_storage_on_device_samples_like_torchrl(
                 priority = (data["obs"] % 7 + 1).float()
                 ours.update_priority(data["index"], priority)
                 ref.update_priority(ref_data["index"], priority)
-        assert_same_sample(ours[3:9].cpu(), ref[3:9].cpu())
+        assert_same_tensordict(ours[3:9].cpu(), ref[3:9].cpu())
         assert ours[3:9]["obs"].device.type == storage_device
     finally:
         shutdown(ours)
@@ -853,7 +841,7 @@ def test_ndim2_storage_on_device(storage_device: str, kind: str, request: pytest
         got, ref_data = ours.sample(), ref.sample()
         assert got["obs"].device.type == storage_device
         assert got["index"].shape == (12, 2)
-        assert_same_sample(got.cpu(), ref_data.cpu())
+        assert_same_tensordict(got.cpu(), ref_data.cpu())
         assert unpinned(got, is_pinned) == []
 
 
@@ -883,7 +871,7 @@ def test_prioritized_buffer_storage_on_device(
     for _ in range(3):
         data, ref_data = ours.sample(), ref.sample()
         assert data["priority_weight"].device.type == storage_device
-        assert_same_sample(data.cpu(), ref_data.cpu())
+        assert_same_tensordict(data.cpu(), ref_data.cpu())
         assert unpinned(data, is_pinned) == []
         for td in (data, ref_data):
             td.set("td_error", (td["obs"] % 7 + 1).float())
@@ -894,7 +882,7 @@ def test_prioritized_buffer_storage_on_device(
     )
     restored.load_state_dict(ours.state_dict())
     assert len(restored) == len(ours)
-    assert_same_sample(restored[:], ours[:])
+    assert_same_tensordict(restored[:], ours[:])
 
 
 @requires_cuda
@@ -934,7 +922,7 @@ def test_device_argument_from_host_storages(storage: str, tmp_path: Any):
     assert data.device.type == "cuda"
     assert all(t.device.type == "cuda" for _, t in tensor_leaves(data))
     assert _real_unpinned(info) == []
-    assert_same_sample(data.cpu(), ref.sample())
+    assert_same_tensordict(data.cpu(), ref.sample())
 
 
 def test_restored_prefetch_queue_is_pinned(fake_pinning: FakePinning):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import fastreplay
+from conftest import REPO
 from markdown_runner import extract_blocks, run_markdown
 
-REPO = Path(__file__).resolve().parents[1]
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # Blocks fenced ``python no-run`` on purpose, per file: changing one is a visible decision.
@@ -102,6 +102,16 @@ def test_readme_opens_with_two_setup_commands() -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    test_command = _readme_setup_commands()[1]
-    ci_lines = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()]
-    assert test_command in ci_lines, ".ci/run must call the README's test command verbatim"
+    """Each step of the README's test command, verbatim and in order (pass 1 runs its lint and
+    type checks between the install and pytest)."""
+    steps = [step.strip() for step in _readme_setup_commands()[1].split(" && ")]
+    ci_steps = [
+        step.strip()
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if not line.lstrip().startswith("#")
+        for step in line.split(" && ")
+    ]
+    positions = [ci_steps.index(step) if step in ci_steps else -1 for step in steps]
+    assert -1 not in positions and positions == sorted(positions), (
+        f".ci/run must run the README's test command's steps in order: {steps}"
+    )

@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TORCHRL_EXT
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, TORCHRL_EXT
 
 
 def test_torchrl_extension_matches_ci_expectation() -> None:

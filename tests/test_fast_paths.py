@@ -12,6 +12,7 @@ import pytest
 import torch
 from tensordict import LazyStackedTensorDict, MemoryMappedTensor, NonTensorData, TensorDict
 
+from conftest import assert_same_tensordict
 from fastreplay.buffers import rows as _fast_io
 
 
@@ -40,14 +41,6 @@ def rows(n: int, seed: int = 0) -> TensorDict:
     )
 
 
-def assert_same(a: TensorDict, b: TensorDict) -> None:
-    assert list(a.keys(True, True)) == list(b.keys(True, True))
-    assert a.batch_size == b.batch_size and a.device == b.device
-    for key in a.keys(True, True):
-        assert type(a[key]) is type(b[key]) and a[key].dtype == b[key].dtype, key
-        assert torch.equal(a[key], b[key]), key
-
-
 @pytest.mark.parametrize(("start", "n"), [(0, 3), (2, 5), (5, 4), (6, 1), (3, 7), (0, 7)])
 def test_write_rows_matches_setitem_with_the_writer_index(start: int, n: int) -> None:
     ours, theirs, data = store(), store(), rows(n)
@@ -56,7 +49,7 @@ def test_write_rows_matches_setitem_with_the_writer_index(start: int, n: int) ->
     pairs = _fast_io.write_pairs(ours, rows(n), skip="index")
     assert pairs is not None and len(pairs) == 3
     _fast_io.write_rows([*pairs, (ours["index"], index)], index)
-    assert_same(ours, theirs)
+    assert_same_tensordict(ours, theirs)
 
 
 def test_write_rows_takes_strided_sources() -> None:
@@ -73,7 +66,7 @@ def test_write_rows_takes_strided_sources() -> None:
     index = torch.arange(5, 9) % 7
     theirs[index] = data
     _fast_io.write_rows(_fast_io.write_pairs(ours, data, skip="index"), index)
-    assert_same(ours.exclude("index"), theirs.exclude("index"))
+    assert_same_tensordict(ours.exclude("index"), theirs.exclude("index"))
 
 
 def _extra_key(data: TensorDict) -> TensorDict:
@@ -158,7 +151,7 @@ def test_gather_rows_matches_getitem(stored: int) -> None:
     assert plan is not None
     ours, complete = _fast_io.gather_rows(plan, index, stored)
     assert complete
-    assert_same(ours, data[:stored][index])
+    assert_same_tensordict(ours, data[:stored][index])
     assert ours["next"].batch_size == ours["next", "deep"].batch_size == torch.Size([5])
 
 
@@ -171,7 +164,7 @@ def test_gather_rows_sets_metadata_as_tensordict_set() -> None:
     for key, value in extra.items():
         theirs.set(key, value)
     assert complete
-    assert_same(ours, theirs)  # the stored "index" keeps its place; new keys come last
+    assert_same_tensordict(ours, theirs)  # the stored "index" keeps its place; new keys come last
     assert ours["priority_weight"] is weight and ours["index"] is index
 
 
@@ -190,7 +183,7 @@ def test_gather_rows_sets_nested_metadata_as_tensordict_set() -> None:
     for key, value in extra.items():
         theirs.set(key, value)
     assert complete
-    assert_same(ours, theirs)
+    assert_same_tensordict(ours, theirs)
 
 
 # Metadata a sample of 3 rows cannot take in: the gather leaves it to the caller.
@@ -215,7 +208,7 @@ _MISFITS = {
 def test_gather_rows_leaves_metadata_that_does_not_fit_to_the_caller(extra: dict) -> None:
     ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(store()), torch.arange(3), 7, extra)
     assert not complete
-    assert_same(ours, store()[torch.arange(3)])  # none of it set
+    assert_same_tensordict(ours, store()[torch.arange(3)])  # none of it set
 
 
 @pytest.mark.parametrize("stored", [7, 5])
@@ -240,7 +233,7 @@ def test_gather_rows_by_runs_matches_getitem(stored: int, rows: list[int]) -> No
     by_runs = _fast_io._run_starts(index, 3, stored) is not None
     assert by_runs == (rows in ([0, 1, 2, 4, 5, 6], [2, 3, 4, 2, 3, 4], [4, 5, 6, 0, 1, 2]))
     ours, _ = _fast_io.gather_rows(_fast_io.gather_plan(data), index, stored, run=3)
-    assert_same(ours, data[:stored][index])
+    assert_same_tensordict(ours, data[:stored][index])
     assert all(leaf.is_contiguous() for leaf in ours.values(True, True))
 
 
@@ -248,7 +241,7 @@ def test_gather_rows_by_runs_from_a_memory_map(tmp_path) -> None:
     data = store(9).memmap_(tmp_path)
     index = torch.tensor([6, 7, 8, 0, 1, 2])
     ours, _ = _fast_io.gather_rows(_fast_io.gather_plan(data), index, 9, run=3)
-    assert_same(ours, data[index])
+    assert_same_tensordict(ours, data[index])
     assert type(ours["obs"]) is torch.Tensor
 
 
@@ -263,7 +256,7 @@ def test_gather_from_memory_mapped_leaves_gives_plain_tensors(tmp_path) -> None:
     assert type(data["obs"]) is MemoryMappedTensor
     plan = _fast_io.gather_plan(data)
     ours, _ = _fast_io.gather_rows(plan, torch.tensor([1, 2]), 7)
-    assert_same(ours, data[torch.tensor([1, 2])])
+    assert_same_tensordict(ours, data[torch.tensor([1, 2])])
     assert type(ours["obs"]) is torch.Tensor
 
 
@@ -321,7 +314,7 @@ def test_flat_gather_matches_getitem_then_set(stored: int, extra: dict | None) -
     for key, value in (extra or {}).items():
         theirs.set(key, value)
     assert complete
-    assert_same(ours, theirs)  # stored keys keep their place, new ones come last
+    assert_same_tensordict(ours, theirs)  # stored keys keep their place, new ones come last
     for key, value in (extra or {}).items():
         assert ours.get(key) is value
 
@@ -335,7 +328,7 @@ def test_flat_gather_leaves_metadata_that_does_not_fit_to_the_caller(extra: dict
     data = flat_store()
     ours, complete = _fast_io.gather_rows(_fast_io.gather_plan(data), torch.arange(3), 7, extra)
     assert not complete
-    assert_same(ours, data[torch.arange(3)])  # none of it set
+    assert_same_tensordict(ours, data[torch.arange(3)])  # none of it set
 
 
 def test_flat_gather_refuses_rows_past_the_filled_part() -> None:

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from fastreplay._memory import (
+from fastreplay._core.memory import (
     HUGE_PAGE,
     MIN_BYTES,
     advise_huge_pages,
     huge_pages_advised,
     large_zeros,
 )
-from fastreplay._tree_backends import available_backends
+from fastreplay._core.trees.interface import available_backends
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -96,7 +96,7 @@ def test_large_arrays_get_huge_pages_where_linux_offers_them() -> None:
 def test_large_numba_trees_live_on_advised_memory_and_pickle_back_there() -> None:
     import torch
 
-    from fastreplay._segment_tree_numba import NumbaPriorityTrees
+    from fastreplay._core.trees.numba_backend import NumbaPriorityTrees
 
     trees = NumbaPriorityTrees(200_003)  # about 5 MiB of trees
     index = torch.tensor([0, 7, 200_002])

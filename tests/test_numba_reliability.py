@@ -16,13 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from fastreplay._tree_backends import available_backends
-
-requires_numba = pytest.mark.skipif(
-    "numba" not in available_backends(),
-    reason="numba is not installed here (optional extra 'fast'): nothing to compile or cache",
-)
+from conftest import REPO, requires_numba
+from fastreplay._core.trees.interface import available_backends
 
 
 def _run(
@@ -156,12 +151,14 @@ _IMPORT = textwrap.dedent(
             sys.exit(f"{path} is writable: the scenario does not hold")
     warnings.simplefilter("error")  # as in a test suite: a warning would fail the import
     import fastreplay
-    from fastreplay import PrioritizedSampler, _numba_jit, _numba_kernels  # the kernels: defined
+    from fastreplay import PrioritizedSampler
+    from fastreplay._core import numba_jit
+    from fastreplay._core.trees import numba_kernels  # the kernels: defined
 
-    assert _numba_kernels.NUMBA_AVAILABLE
+    assert numba_kernels.NUMBA_AVAILABLE
 
     assert os.path.samefile(fastreplay.__file__, sys.argv[1]), fastreplay.__file__
-    print("cache:", _numba_jit._cache)
+    print("cache:", numba_jit._cache)
     if sys.argv[2] == "read-only":  # the kernels compile without a cache, and run
         sampler = PrioritizedSampler(8, 1.0, 1.0, eps=0.0, backend="numba")
         sampler.update_priority(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]))

@@ -516,11 +516,13 @@ def test_load_torchrl_state_dict_is_a_clear_error() -> None:
 
 
 def test_copies_and_pickles_keep_priorities() -> None:
-    sampler = PrioritizedSampler(7, alpha=0.7, beta=0.4)
+    sampler = PrioritizedSampler(7, alpha=0.7, beta=torch.tensor(0.4))
     sampler.update_priority(torch.arange(3), torch.tensor([1.0, 2.0, 3.0]))
     for clone in (copy.deepcopy(sampler), pickle.loads(pickle.dumps(sampler))):
         assert _same(_snapshot(clone), _snapshot(sampler))
         assert clone._fr_lock is not sampler._fr_lock
+        assert clone._written_end == sampler._written_end == 3
+        assert type(clone._beta) is float and torch.equal(clone.beta, torch.tensor(0.4))
         clone.alpha = 0.3  # the clone's lock works
         assert sampler.alpha == 0.7
 

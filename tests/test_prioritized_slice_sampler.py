@@ -25,7 +25,7 @@ from conftest import (
     requires_torchrl_ext,
 )
 from fastreplay import PrioritizedSliceSampler
-from fastreplay._segment_tree import PriorityTrees
+from fastreplay._core.trees.torch_backend import PriorityTrees
 from fastreplay.samplers.slice import SliceSamplerError
 
 PSS = PrioritizedSliceSampler

@@ -30,7 +30,8 @@ from torchrl.data import LazyTensorStorage, ListStorage
 from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer
 
 import fastreplay
-import fastreplay._ray
+import fastreplay.ray_buffer
+from conftest import REPO
 from fastreplay._torchrl import ray_runtime_lease as _ray_runtime_lease
 from test_scale_out import BATCH, NUM_SLICES, assert_valid, episode
 
@@ -45,7 +46,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Creating .*WeightUpdater which inherits from WeightUpdaterBase:DeprecationWarning"
 )
 
-REPO = Path(__file__).resolve().parents[1]
 CAPACITY = 101
 REMOTE = {"num_cpus": 0}  # the actor takes no CPU slot: tests never wait for one
 
@@ -314,7 +314,7 @@ def test_replay_buffer_cls_must_be_a_class() -> None:
 
 
 def test_missing_ray_fails_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fastreplay._ray, "_ray_installed", lambda: False)  # as without Ray
+    monkeypatch.setattr(fastreplay.ray_buffer, "_ray_installed", lambda: False)  # as without Ray
     with pytest.raises(RuntimeError, match=r"Ray is not installed; pip install ray,"):
         fastreplay.RayReplayBuffer(
             replay_buffer_cls=fastreplay.TensorDictReplayBuffer,

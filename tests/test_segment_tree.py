@@ -12,15 +12,11 @@ import pickle
 import pytest
 import torch
 
-import fastreplay._segment_tree_numba as numba_trees
-from conftest import requires_cuda
-from fastreplay._segment_tree import PriorityTrees
-from fastreplay._tree_backends import available_backends, make_trees
+import fastreplay._core.trees.numba_backend as numba_trees
+from conftest import requires_cuda, requires_numba
+from fastreplay._core.trees.interface import available_backends, make_trees
+from fastreplay._core.trees.torch_backend import PriorityTrees
 
-requires_numba = pytest.mark.skipif(
-    not numba_trees.NUMBA_AVAILABLE,
-    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
-)
 BACKENDS = [
     "torch",
     pytest.param("numba", marks=requires_numba),
@@ -269,7 +265,7 @@ def test_torch_tree_levels() -> None:
 @pytest.mark.parametrize("batched", [True, False])
 def test_torch_search_either_searchsorted(monkeypatch: pytest.MonkeyPatch, batched: bool) -> None:
     """Batched 2-D searchsorted (torch >= 2.15) and compare-and-count give the same leaves."""
-    import fastreplay._segment_tree as segment_tree
+    import fastreplay._core.trees.torch_backend as segment_tree
 
     monkeypatch.setattr(segment_tree, "_BATCHED_SEARCHSORTED", batched)
     gen = torch.Generator().manual_seed(4)
@@ -294,7 +290,7 @@ def test_torch_trees_pickle_and_copy_independently() -> None:
 
 def test_sampler_on_deep_torch_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler's brute-force oracle (repeats, -1 markers, alpha changes) on deep trees."""
-    import fastreplay._segment_tree as segment_tree
+    import fastreplay._core.trees.torch_backend as segment_tree
     from conformance.test_tree_backends import test_brute_force_oracle
 
     monkeypatch.setattr(segment_tree, "_TOP", 2)

@@ -1,7 +1,7 @@
 """fastreplay's slice-index construction against TorchRL's code, bit for bit.
 
 Every slice sampler builds its slice indices with one builder,
-:func:`fastreplay._slice_indices.slice_index`: checked here against TorchRL's ``_get_index``
+:func:`fastreplay._core.slice_index.slice_index`: checked here against TorchRL's ``_get_index``
 (random slice starts inside trajectories, slices of one or several lengths, 1-D and 2-D
 storages, wrap-around) and ``_tensor_slices_from_startend`` (given slice starts). ``SliceSampler``
 uses it in the common case (``_get_index``: slices of one length, 1-D storage, no ``span``),
@@ -26,8 +26,8 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
 from conftest import short_flat_batches, skip_unless_slice_args
+from fastreplay._core.slice_index import slice_index
 from fastreplay._index_sync import IndexSync
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import SliceSamplerBase
 
 DONE, TERMINATED = ("next", "done"), ("next", "terminated")

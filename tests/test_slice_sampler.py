@@ -189,8 +189,8 @@ def test_writes_it_was_not_told_about_trigger_a_rebuild() -> None:
     "cls", ["SliceSampler", "SliceSamplerWithoutReplacement", "PrioritizedSliceSampler"]
 )
 @short_flat_batches
-def test_pickles_of_earlier_versions_load_and_rebuild_the_index(cls) -> None:
-    """A sampler pickled when its index fields (``_fr_index``, ...) lived on the sampler."""
+def test_pickles_load_and_rebuild_the_index(cls) -> None:
+    """A pickled sampler carries no index: it rebuilds it from the storage at its first sample."""
     klass = getattr(fastreplay, cls)
     kw = {"num_slices": 2, "traj_key": "traj"}
     fast = klass(60, 0.7, 0.5, **kw) if cls == "PrioritizedSliceSampler" else klass(**kw)
@@ -200,29 +200,15 @@ def test_pickles_of_earlier_versions_load_and_rebuild_the_index(cls) -> None:
     if cls == "PrioritizedSliceSampler":
         rb.update_priority(torch.arange(50), torch.rand(50, generator=torch.Generator()))
     fast.sample(storage, 8)
-    state = fast.__getstate__()
-    state.pop("_fr_sync")
-    state.update(  # what the earlier version's __getstate__ wrote
-        _fr_index=None,
-        _fr_spec=None,
-        _fr_storage=None,
-        _fr_pending=[],
-        _fr_dirty=True,
-        _fr_revision=7,
-        _fr_pending_writes=0,
-        _fr_loaded=False,
-    )
-    old = klass.__new__(klass)
-    old.__setstate__(pickle.loads(pickle.dumps(state)))
-    moved = {"_fr_index", "_fr_spec", "_fr_storage", "_fr_pending", "_fr_dirty", "_fr_loaded"}
-    assert not moved & set(vars(old)), set(vars(old))
-    assert old._fr_sync.dirty and old._fr_index is None
-    clone = pickle.loads(pickle.dumps(fast))  # today's pickle: the reference
+    clone = pickle.loads(pickle.dumps(fast))
+    assert type(clone) is klass and clone._fr_sync is not fast._fr_sync
+    assert clone._fr_sync.dirty and clone._fr_index is None
+    assert fast._fr_index is not None  # the original keeps its own
     for seed in range(3):
-        old._rng, clone._rng = (torch.Generator().manual_seed(seed) for _ in range(2))
-        got, expected = old.sample(storage, 8), clone.sample(storage, 8)
+        clone._rng, fast._rng = (torch.Generator().manual_seed(seed) for _ in range(2))
+        got, expected = clone.sample(storage, 8), fast.sample(storage, 8)
         assert all(torch.equal(a, b) for a, b in zip(got[0], expected[0], strict=True))
-    assert old._fr_index is not None and not old._fr_sync.dirty
+    assert clone._fr_index is not None and not clone._fr_sync.dirty
 
 
 def test_online_updates_read_only_the_new_rows(monkeypatch) -> None:

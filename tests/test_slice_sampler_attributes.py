@@ -39,7 +39,13 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 import fastreplay
-from conftest import TORCHRL_EXT, requires_slice_args, short_flat_batches, skip_unless_slice_args
+from conftest import (
+    TORCHRL_EXT,
+    assert_same_sample,
+    requires_slice_args,
+    short_flat_batches,
+    skip_unless_slice_args,
+)
 from fastreplay._torchrl import KEY_CHANGE_KEEPS_CACHED_BOUNDARIES
 
 DONE, DONE2 = ("next", "done"), ("next", "done2")
@@ -216,15 +222,6 @@ def _check_slices(sampler: Any, storage: Any, drawn: tuple, case: Case) -> None:
         assert info["priority_weight"].shape == obs.shape
 
 
-def _same(got: tuple, expected: tuple) -> None:
-    assert len(got[0]) == len(expected[0])
-    for a, b in zip(got[0], expected[0], strict=True):
-        assert torch.equal(a, b)
-    assert got[1].keys() == expected[1].keys()
-    for key in got[1]:
-        assert torch.equal(got[1][key], expected[1][key]), key
-
-
 def _same_form(got: tuple, expected: tuple, fixed_length: bool) -> None:
     """Same index dims, info keys and per-step shapes; same length where slices are fixed."""
     assert len(got[0]) == len(expected[0])
@@ -255,7 +252,7 @@ def test_assigned_attribute_takes_effect_as_in_torchrl(kind: str, case: Case) ->
     if ref is not None:
         expected = _draw(ref, ref_storage, 32, seed=0)
         if kind != "PrioritizedSliceSampler":
-            _same(before, expected)
+            assert_same_sample(before, expected)
 
     setattr(fast, case.attr, case.value)
     assert getattr(fast, case.attr) == case.value
@@ -280,7 +277,7 @@ def test_assigned_attribute_takes_effect_as_in_torchrl(kind: str, case: Case) ->
         if kind == "PrioritizedSliceSampler":
             _same_form(got, expected, fast.strict_length and not any(fast.span))
         else:
-            _same(got, expected)
+            assert_same_sample(got, expected)
         if kind == "SliceSamplerWithoutReplacement":
             assert (fast.ran_out, fast._remaining_batches) == (ref.ran_out, ref._remaining_batches)
     if stale_ref:  # the old boundaries show: a slice crosses the new trajectories
@@ -337,7 +334,7 @@ def test_fragmented_is_accepted_and_checked_as_torchrl_does() -> None:
     ref = trl.SliceSampler(num_slices=4, traj_key="episode", fragmented=True)
     assert sampler.fragmented is True
     got = _draw(sampler, _filled(sampler), 32, seed=3)
-    _same(got, _draw(ref, _filled(ref), 32, seed=3))
+    assert_same_sample(got, _draw(ref, _filled(ref), 32, seed=3))
     bad = [
         ({"step_key": None}, ValueError, "step_key must be provided"),
         ({"span": True}, NotImplementedError, "span is not supported"),

@@ -16,14 +16,15 @@ from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWi
 
 from conformance.conftest import episodes
 from conftest import (
+    assert_same_sample,
     record_storage_reads,
     requires_storage_revision,
     short_flat_batches,
     skip_unless_slice_args,
 )
 from fastreplay import SliceSamplerWithoutReplacement
-from fastreplay._epoch_permutation import EpochPermutation
-from fastreplay._trajectory_index import TrajectoryIndex
+from fastreplay._core.epoch_permutation import EpochPermutation
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay.samplers.slice import SliceSamplerError
 from test_slice_sampler import DONE, Episodes
 
@@ -33,14 +34,6 @@ REF = TorchRLSliceSamplerWithoutReplacement
 
 def _key(mode: str) -> dict:
     return {"traj_key": "traj"} if mode == "ids" else {"end_key": DONE}
-
-
-def _same(got: tuple, expected: tuple) -> None:
-    for a, b in zip(got[0], expected[0], strict=True):
-        assert torch.equal(a, b)
-    assert got[1].keys() == expected[1].keys()
-    for k in got[1]:
-        assert torch.equal(got[1][k], expected[1][k])
 
 
 def _sample_both(fast, ref, storage, batch: int, seed: int) -> None:
@@ -58,7 +51,7 @@ def _sample_both(fast, ref, storage, batch: int, seed: int) -> None:
             fast.sample(storage, batch)
         fast._sample_list, ref._sample_list = None, None  # TorchRL consumed a draw first
         return
-    _same(fast.sample(storage, batch), expected)
+    assert_same_sample(fast.sample(storage, batch), expected)
     assert fast.ran_out == ref.ran_out
     assert fast._remaining_batches == ref._remaining_batches
 
@@ -167,7 +160,7 @@ def test_state_dict_round_trip_continues_the_epoch() -> None:
     for seed in range(4):
         fast._rng = torch.Generator().manual_seed(seed)
         clone._rng = torch.Generator().manual_seed(seed)
-        _same(clone.sample(storage, 6), fast.sample(storage, 6))
+        assert_same_sample(clone.sample(storage, 6), fast.sample(storage, 6))
 
 
 def test_dumps_loads_and_pickle_round_trip(tmp_path) -> None:
@@ -185,8 +178,8 @@ def test_dumps_loads_and_pickle_round_trip(tmp_path) -> None:
             other._rng = torch.Generator().manual_seed(seed)
         fast._rng = torch.Generator().manual_seed(seed)
         expected = fast.sample(storage, 6)
-        _same(loaded.sample(storage, 6), expected)
-        _same(pickled.sample(storage, 6), expected)
+        assert_same_sample(loaded.sample(storage, 6), expected)
+        assert_same_sample(pickled.sample(storage, 6), expected)
 
 
 @short_flat_batches
@@ -502,7 +495,7 @@ def test_lazy_checkpoints_continue_the_epoch(tmp_path, shuffle) -> None:
             sampler._rng = torch.Generator().manual_seed(seed)
         expected = fast.sample(storage, 6)
         for other in clones:
-            _same(other.sample(storage, 6), expected)
+            assert_same_sample(other.sample(storage, 6), expected)
         # The same trajectories (TorchRL draws its next permutation before the last offsets).
         got = storage[torchrl_clone.sample(storage, 6)[0]]["traj"].view(-1, 3)[:, 0]
         assert torch.equal(got, storage[expected[0]]["traj"].view(-1, 3)[:, 0])

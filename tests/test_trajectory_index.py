@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._torchrl import find_start_stop_traj
-from fastreplay._trajectory_index import TrajectoryIndex
 
 
 def _reference(storage: np.ndarray, size: int, cursor: int, mode: str) -> list[tuple]:

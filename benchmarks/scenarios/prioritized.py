@@ -47,7 +47,7 @@ from benchmarks.harness import (
     progress,
 )
 from fastreplay import PrioritizedSampler
-from fastreplay._tree_backends import available_backends
+from fastreplay._core.trees.interface import available_backends
 
 NAME = "prioritized"
 DESCRIPTION = "PrioritizedSampler: each PER call and the online step per backend, bulk, dumps"

@@ -9,9 +9,9 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
-from fastreplay._ray import RayReplayBuffer
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 from fastreplay.ppo import chunked_log_prob
+from fastreplay.ray_buffer import RayReplayBuffer
 from fastreplay.samplers import (
     PrioritizedSampler,
     PrioritizedSliceSampler,

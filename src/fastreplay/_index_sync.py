@@ -3,7 +3,7 @@
 Each of fastreplay's slice samplers owns an :class:`IndexSync`. The sampler reports the rows
 every ``extend``/``add`` wrote (:meth:`IndexSync.record`), and asks for the index at each
 ``sample`` (:meth:`IndexSync.sync`): the reported rows are read from the storage and added to a
-:class:`fastreplay._trajectory_index.TrajectoryIndex` (``O(rows written)``), or, after writes
+:class:`fastreplay._core.trajectory_index.TrajectoryIndex` (``O(rows written)``), or, after writes
 the sampler was not told about (the storage's mutation revision moved, another process wrote,
 a checkpoint was loaded, a boundary key changed), the index is rebuilt from the whole storage
 once (``O(items stored)``). Storages of ``ndim > 1`` are indexed per column; :meth:`coords`
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
-from fastreplay._trajectory_index import TrajectoryIndex
+from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
 __all__ = ["IndexSync"]
 
@@ -70,25 +70,6 @@ class IndexSync:
         copy = IndexSync.__new__(IndexSync)
         copy.__dict__.update(self.__getstate__())
         return copy
-
-    @classmethod
-    def upgrade(cls, state: dict[str, Any]) -> None:
-        """Give a sampler's pickled ``state`` from an earlier fastreplay its sync. O(1).
-
-        Earlier versions kept the sync's fields on the sampler (``_fr_index``, ``_fr_dirty``,
-        ...); they are moved into a new :class:`IndexSync`, which rebuilds at its first
-        :meth:`sync`. A state that has its sync is left as it is.
-        """
-        if "_fr_sync" in state:
-            return
-        sync = cls()
-        for old, new in (("revision", "_revision"), ("pending_writes", "_pending_writes")):
-            setattr(sync, new, state.pop(f"_fr_{old}", 0))
-        sync._loaded = state.pop("_fr_loaded", False)
-        for old in ("index", "spec", "storage", "pending", "dirty"):
-            state.pop(f"_fr_{old}", None)
-        sync.dirty = True
-        state["_fr_sync"] = sync
 
     @property
     def device(self) -> Any:

@@ -117,7 +117,7 @@ from typing import Any
 
 import torch
 import torchrl
-from torchrl._utils import _replace_last
+from torchrl._utils import _replace_last as _replace_last
 from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampler
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
 from torchrl.data import TensorDictPrioritizedReplayBuffer as TorchRLPrioritizedBuffer
@@ -126,20 +126,22 @@ from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as TorchRLReplayBuffer
 from torchrl.data.replay_buffers import samplers as _samplers
 from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer as TorchRLRayReplayBuffer
-from torchrl.data.replay_buffers.replay_buffers import _storage_index
-from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH, Sampler
+from torchrl.data.replay_buffers.replay_buffers import _storage_index as _storage_index
+from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH as _REPLACEMENT_DISPATCH
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
+from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.samplers import SliceSampler as TorchRLSliceSampler
 from torchrl.data.replay_buffers.storages import (
     LazyMemmapStorage,
     LazyTensorStorage,
     Storage,
     TensorStorage,
-    _collate_id,
 )
+from torchrl.data.replay_buffers.storages import _collate_id as _collate_id
 from torchrl.data.replay_buffers.utils import INT_CLASSES
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoundRobinWriter
 
+# What the rest of fastreplay uses; TorchRL's private names it uses are re-exported as `x as x`.
 __all__ = [
     "TENSOR_STORAGES",
     "storage_len",
@@ -173,14 +175,10 @@ __all__ = [
     "TorchRLReplayBuffer",
     "TorchRLSliceSampler",
     "TorchRLSliceSamplerWithoutReplacement",
-    "_REPLACEMENT_DISPATCH",
     "CONSUMING_SAMPLERS",
     "INT_CLASSES",
     "LazyMemmapStorage",
     "LazyTensorStorage",
-    "_collate_id",
-    "_storage_index",
-    "_replace_last",
     "find_start_stop_traj",
     "init_marker_key",
     "is_batch_time",
@@ -203,7 +201,8 @@ CONSUMING_SAMPLERS: tuple[type, ...] = tuple(
 
 
 def _init_args(cls: type) -> frozenset[str]:
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # not ``self``
+    init = cls.__init__  # type: ignore[misc]  # the class's, not an instance's
+    params = list(inspect.signature(init).parameters.values())[1:]  # not ``self``
     return frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
@@ -404,6 +403,9 @@ class _SliceHooks:
     Nothing is defined where the installed TorchRL has it.
     """
 
+    truncated_key: Any  # TorchRL's SliceSampler's
+    _maybe_emit_init_marker: Any
+
     if "end_keys" not in SLICE_SAMPLER_ARGS:
         end_keys = None
     if "fragmented" not in SLICE_SAMPLER_ARGS:
@@ -512,7 +514,8 @@ def _torchrl_frame(method: Any, call: str, source: str) -> Any:
         lines, first = inspect.getsourcelines(method)
         offset = next(i for i, line in enumerate(lines) if call in line)
         lineno = first + offset
-        code = compile("\n" * max(lineno - 2, 0) + source, inspect.getsourcefile(method), "exec")
+        filename = inspect.getsourcefile(method) or "<torchrl>"
+        code = compile("\n" * max(lineno - 2, 0) + source, filename, "exec")
         exec(code, method.__globals__, namespace)  # defines the function only
     except (OSError, TypeError, StopIteration):
         exec(source, {}, namespace)

@@ -32,7 +32,7 @@ ProbabilisticActorLike: TypeAlias = (
 )
 
 
-def _check_chunk_size(chunk_size: object) -> int:
+def _check_chunk_size(chunk_size: Any) -> int:
     try:
         if isinstance(chunk_size, bool):
             raise TypeError
@@ -90,7 +90,7 @@ def _resolve_out_keys(out_key: Any, actor: ProbabilisticActorLike) -> list[Neste
 
 
 def _validate(
-    actor: ProbabilisticActorLike, data: object, out_keys: list[NestedKey]
+    actor: ProbabilisticActorLike, data: Any, out_keys: list[NestedKey]
 ) -> list[NestedKey]:
     """Check everything that can be checked before computing; returns the action keys."""
     if not is_tensor_collection(data):
@@ -182,7 +182,7 @@ def _chunk_log_probs(
     actor: ProbabilisticActorLike, chunk: TensorDictBase, lp_keys: list[NestedKey]
 ) -> list[torch.Tensor]:
     """One ``actor.log_prob`` call; one tensor per log-prob key, batch dim first."""
-    lp = actor.log_prob(chunk)
+    lp: Any = actor.log_prob(chunk)  # a tensor, or a TensorDict of them
     if not is_tensor_collection(lp):
         return [lp]
     found = set(lp.keys(include_nested=True, leaves_only=True))

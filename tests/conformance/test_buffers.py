@@ -25,7 +25,7 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 from conformance.conftest import DONE, Impl, episodes
-from conftest import requires_cuda, short_flat_batches, shutdown
+from conftest import assert_same_tensordict, requires_cuda, short_flat_batches, shutdown
 from fastreplay._torchrl import CHECKPOINTS_KEEP_PREFETCHED, TORCHRL_VERSION
 
 CAPACITY = 7  # odd, and small enough that every test wraps around
@@ -66,21 +66,15 @@ def assert_unchanged(rb: Any, before: tuple[int, TensorDict | None]) -> None:
     length, content = before
     assert len(rb) == length
     if content is not None:
-        assert_same(stored(rb), content)
+        assert_same_tensordict(stored(rb), content)
 
 
 def assert_rows(a: TensorDict, b: TensorDict) -> None:
     """The same data rows (``add``/``extend`` may write ``index`` into what they store)."""
-    assert_same(a.select(*DATA_KEYS), b.select(*DATA_KEYS))
+    assert_same_tensordict(a.select(*DATA_KEYS), b.select(*DATA_KEYS))
 
 
 DATA_KEYS = ("obs", "traj", "step", DONE)
-
-
-def assert_same(a: TensorDict, b: TensorDict) -> None:
-    assert set(a.keys(True, True)) == set(b.keys(True, True))
-    for key in a.keys(True, True):
-        assert torch.equal(a.get(key), b.get(key)), key
 
 
 def assert_sample_is_stored(rb: Any, sample: TensorDict) -> None:
@@ -140,7 +134,7 @@ def test_same_generator_same_samples_as_torchrl(impl: Impl) -> None:
     ref = buffer(Impl("torchrl"), generator=torch.Generator().manual_seed(3))
     filled(rb), filled(ref)
     for _ in range(3):
-        assert_same(rb.sample(), ref.sample())
+        assert_same_tensordict(rb.sample(), ref.sample())
 
 
 def test_return_info(impl: Impl) -> None:
@@ -163,7 +157,7 @@ def test_transform(impl: Impl) -> None:
     sample = rb.sample()
     assert torch.equal(sample["twice"], sample["obs"] * 2)
     assert_sample_is_stored(rb, sample)
-    assert_same(rb[2:5], ref[2:5])
+    assert_same_tensordict(rb[2:5], ref[2:5])
 
 
 def test_extend_add_getitem_len(impl: Impl) -> None:
@@ -191,11 +185,11 @@ def test_state_dict_round_trip(impl: Impl) -> None:
     fresh = buffer(impl)
     fresh.load_state_dict(rb.state_dict())
     assert len(fresh) == len(rb)
-    assert_same(stored(fresh), stored(rb))
+    assert_same_tensordict(stored(fresh), stored(rb))
     # The write cursor came along: the next write lands where it would have.
     more = episodes(3, 3, first_id=50)
     assert torch.equal(fresh.extend(more), rb.extend(more))
-    assert_same(stored(fresh), stored(rb))
+    assert_same_tensordict(stored(fresh), stored(rb))
 
 
 @pytest.mark.parametrize("storage", ["tensor", "memmap"])
@@ -211,7 +205,7 @@ def test_dumps_loads_round_trip(impl: Impl, storage: str, tmp_path: Any) -> None
     fresh = buffer(impl, storage=make("b"))
     fresh.loads(tmp_path / "ckpt")
     assert len(fresh) == len(rb)
-    assert_same(stored(fresh), stored(rb))
+    assert_same_tensordict(stored(fresh), stored(rb))
     more = episodes(2, 2, first_id=60)
     assert torch.equal(fresh.extend(more), rb.extend(more))
 
@@ -290,7 +284,7 @@ def test_false_pin_memory_values_accepted(impl: Impl, pin_memory: Any) -> None:
     rb = buffer(impl, pin_memory=pin_memory, generator=torch.Generator().manual_seed(4))
     ref = buffer(Impl("torchrl"), generator=torch.Generator().manual_seed(4))
     filled(rb), filled(ref)
-    assert_same(rb.sample(), ref.sample())
+    assert_same_tensordict(rb.sample(), ref.sample())
 
 
 @requires_cuda
@@ -301,7 +295,7 @@ def test_pinned_samples_equal_with_an_accelerator(impl: Impl, pin_memory: Any) -
     filled(rb), filled(ref)
     sample = rb.sample()
     assert sample["obs"].is_pinned()
-    assert_same(sample, ref.sample())
+    assert_same_tensordict(sample, ref.sample())
 
 
 # -------------------------------------------------------- TensorDictPrioritizedReplayBuffer
@@ -399,10 +393,10 @@ def test_per_checkpoint_round_trip(per_impl: Impl, how: str, tmp_path: Any) -> N
         rb.dumps(tmp_path / "ckpt")
         fresh.loads(tmp_path / "ckpt")
     assert len(fresh) == len(rb)
-    assert_same(stored(fresh), stored(rb))
+    assert_same_tensordict(stored(fresh), stored(rb))
     rb.set_rng(torch.Generator().manual_seed(11))
     fresh.set_rng(torch.Generator().manual_seed(11))
-    assert_same(fresh.sample(), rb.sample())  # same priorities, same draws
+    assert_same_tensordict(fresh.sample(), rb.sample())  # same priorities, same draws
 
 
 def test_per_add_getitem_len_and_transform(per_impl: Impl) -> None:
@@ -492,7 +486,7 @@ def test_per_mismatched_priority_length_raises_and_changes_nothing(per_impl: Imp
     with pytest.raises(RuntimeError):  # what TorchRL raises, or a subclass
         rb.update_priority(torch.tensor([0, 1, 2]), torch.tensor([5.0, 5.0]))
     rb.set_rng(torch.Generator().manual_seed(5))
-    assert_same(rb.sample(), before)  # priorities unchanged: same draws
+    assert_same_tensordict(rb.sample(), before)  # priorities unchanged: same draws
 
 
 # --- sample(include_info=...): stored keys that share a name with the metadata --------------
@@ -631,4 +625,4 @@ def test_prefetched_samples_in_a_checkpoint_load_into_either_library(
         finally:
             shutdown(restored)
         assert set(sample.keys(True)) == set(expected.keys(True)), side
-        assert_same(sample, expected)
+        assert_same_tensordict(sample, expected)

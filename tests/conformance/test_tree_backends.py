@@ -17,16 +17,11 @@ import torchrl.data as trl
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-import fastreplay._segment_tree_numba as numba_trees
-from conftest import requires_cuda, requires_torchrl_ext
+import fastreplay._core.trees.numba_backend as numba_trees
+from conftest import requires_cuda, requires_numba, requires_torchrl_ext
 from fastreplay import PrioritizedSampler
-from fastreplay._segment_tree import PriorityTrees
-from fastreplay._tree_backends import PriorityTreeBackend, make_trees
-
-requires_numba = pytest.mark.skipif(
-    not numba_trees.NUMBA_AVAILABLE,
-    reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
-)
+from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees
+from fastreplay._core.trees.torch_backend import PriorityTrees
 
 
 @pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])

@@ -3,7 +3,7 @@
 A ``LazyTensorStorage`` allocates its tensors (``torch.empty``, nothing written yet) in the
 first write. Every sample then gathers a few hundred scattered rows from them, and with 4 KiB
 pages most of those reads also miss the TLB. :class:`HugePageStorageMixin` advises
-``MADV_HUGEPAGE`` (see :mod:`fastreplay._memory`) for those tensors right after that first
+``MADV_HUGEPAGE`` (see :mod:`fastreplay._core.memory`) for those tensors right after that first
 write, so the rows written from then on sit on 2 MiB pages where Linux offers them. Values,
 shapes, dtypes and the storage's state are untouched; elsewhere nothing happens.
 
@@ -20,7 +20,7 @@ import torch
 from tensordict import is_tensor_collection
 from torch.utils._pytree import tree_leaves
 
-from fastreplay._memory import MIN_BYTES, advise_huge_pages
+from fastreplay._core.memory import MIN_BYTES, advise_huge_pages
 from fastreplay._torchrl import LazyTensorStorage
 
 __all__ = ["HugePageStorageMixin"]

@@ -54,7 +54,7 @@ from fastreplay._torchrl import (
     _collate_id,
     _storage_index,
 )
-from fastreplay.buffers import rows as _fast_io
+from fastreplay.buffers import rows as _rows
 from fastreplay.buffers.samples import write_info
 
 __all__ = ["PathChoice"]
@@ -187,7 +187,7 @@ class PathChoice:
         Bookkeeping.wrote(self)  # as ``ReplayBuffer._extend``, its locks released
         if update_priority is None or update_priority:
             try:
-                vector = _fast_io.entry(data, self.priority_key)
+                vector = _rows.entry(data, self.priority_key)
                 if vector is not None:
                     self.update_priority(index, vector)
             except Exception as e:
@@ -207,10 +207,10 @@ class PathChoice:
         if storage is None:
             return None
         store = storage._storage
-        pairs = _fast_io.write_pairs(store, data, skip="index")
+        pairs = _rows.write_pairs(store, data, skip="index")
         if pairs is None:
             return None
-        n, index_leaf, device, store_rows = _fast_io.write_fields(store, data)
+        n, index_leaf, device, store_rows = _rows.write_fields(store, data)
         capacity = storage.max_size
         if (
             not 0 < n <= capacity
@@ -269,7 +269,7 @@ class PathChoice:
         finally:
             lock.release()
         pairs.append((index_leaf, index))
-        _fast_io.write_rows(pairs, index)
+        _rows.write_rows(pairs, index)
         _add(revision, 1)
         # The writer tells every buffer attached to the storage (its sampler marks the
         # rows), then the buffer tells its sampler.
@@ -323,7 +323,7 @@ class PathChoice:
         ):
             storage = state.get("_storage")
             if storage is not None and storage.ndim == 1:
-                pair = _fast_io.priority_rows(data, self.priority_key)
+                pair = _rows.priority_rows(data, self.priority_key)
                 if pair is not None:
                     return self.update_priority(*pair)
         return super().update_tensordict_priority(data)  # type: ignore[misc]
@@ -405,7 +405,7 @@ class PathChoice:
     ) -> tuple[Any, dict, bool] | None:
         """:meth:`_fr_fast_sample` once the checks passed and the buffer's locks are held."""
         sampler = self._sampler
-        plan = _fast_io.gather_plan(storage._storage)
+        plan = _rows.gather_plan(storage._storage)
         if plan is None:
             return None
         index, info = Bookkeeping.call_sampler(sampler, storage, batch_size)
@@ -425,7 +425,7 @@ class PathChoice:
         extra = info
         if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
             extra = {**info, "index": torch.stack(index, -1)}
-        data, written = _fast_io.gather_rows(
+        data, written = _rows.gather_rows(
             plan, rows, length.value, extra, _run_length(sampler, batch_size)
         )
         return Bookkeeping.named(sampler, data), info, written

@@ -336,7 +336,7 @@ def _gather_level(
             else:  # windows of ``run`` rows starting at every row; one pick per run
                 step = source.stride()
                 windows = source.as_strided(
-                    (stored - run + 1, run, *source.shape[1:]),
+                    (stored - run + 1, run, *source.shape[1:]),  # type: ignore[operator]
                     (step[0], *step),
                     source.storage_offset(),
                 )

@@ -141,11 +141,11 @@ class SharedBufferChecks:
         """The Ray actor class TorchRL's ``RayReplayBuffer`` builds this buffer from.
 
         As TorchRL's ``as_remote``, except that ``remote(...)`` returns once the buffer is built
-        in the actor and raises its constructor's error there (see ``fastreplay._ray``), so
+        in the actor and raises its constructor's error there (see ``fastreplay.ray_buffer``), so
         ``torchrl.data.RayReplayBuffer(replay_buffer_cls=...)`` and ``service_backend="ray"``
         fail at construction, not at the first call.
         """
-        from fastreplay._ray import checked_actor_class
+        from fastreplay.ray_buffer import checked_actor_class
 
         return checked_actor_class(cls, remote_config)
 

@@ -2,11 +2,11 @@
 
 A thin adapter: it maps TorchRL's sampler contract (arguments, scalar types, index formats,
 ``mark_update``, the default priority) onto the tree interface
-:class:`fastreplay._tree_backends.PriorityTreeBackend`, which both tree backends implement
-(:mod:`fastreplay._segment_tree_numba`, compiled loops, the default when numba is installed;
-:mod:`fastreplay._segment_tree`, pure torch, otherwise). Checkpoints live in
-:mod:`fastreplay.samplers._priority_checkpoint`, TorchRL's private tree views in
-:mod:`fastreplay.samplers._tree_views`.
+:class:`fastreplay._core.trees.interface.PriorityTreeBackend`, which both tree backends implement
+(:mod:`fastreplay._core.trees.numba_backend`, compiled loops, the default when numba is installed;
+:mod:`fastreplay._core.trees.torch_backend`, pure torch, otherwise). Checkpoints live in
+:mod:`fastreplay._core.priority_checkpoint`, TorchRL's private tree views in
+:mod:`fastreplay._core.trees.views`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastreplay._segment_tree_ops import PriorityOverflowError, check_mass, mass_of
+from fastreplay._core.priority_checkpoint import PriorityCheckpoints
+from fastreplay._core.priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
+from fastreplay._core.priority_common import locked as _locked
+from fastreplay._core.priority_common import scalar as _scalar
+from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees, move_trees
+from fastreplay._core.trees.ops import check_mass, mass_of
+from fastreplay._core.trees.views import TorchRLTreeViews
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import Storage, storage_len
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
-from fastreplay._tree_backends import PriorityTreeBackend, make_trees, move_trees
-from fastreplay.samplers._priority_checkpoint import CheckpointError, PriorityCheckpoints
-from fastreplay.samplers._priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
-from fastreplay.samplers._priority_common import locked as _locked
-from fastreplay.samplers._priority_common import scalar as _scalar
-from fastreplay.samplers._tree_views import TorchRLTreeViews
+from fastreplay.errors import (
+    CheckpointError,
+    PriorityOverflowError,
+    PriorityShapeError,
+    _UnsupportedError,
+)
 
 __all__ = [
     "CheckpointError",
@@ -52,17 +58,6 @@ def uniform_draws(n: int, generator: torch.Generator | None, device: torch.devic
         return torch.from_numpy(np.random.random_sample(n))  # noqa: NPY002 (TorchRL's RNG)
     rand_device = generator.device if generator is not None else device
     return torch.rand(n, dtype=torch.float64, device=rand_device, generator=generator)
-
-
-class PriorityShapeError(ValueError, RuntimeError):
-    """Priorities that do not match the index, or coordinates without ``storage``.
-
-    A :class:`RuntimeError`, as TorchRL raises in these cases, and a :class:`ValueError`.
-    """
-
-
-class _UnsupportedError(ValueError, NotImplementedError):
-    """An unsupported ``dtype`` (TorchRL raises :class:`NotImplementedError`)."""
 
 
 class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioritizedSampler):
@@ -258,12 +253,6 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fr_lock = threading.RLock()
-        if "_written_end" not in state:  # pickled by an earlier version
-            self._written_end = self._find_written_end()
-        for name in ("alpha", "beta"):  # scalars may be tensors in earlier pickles
-            self.__dict__.setdefault(f"_{name}_as_given", state[f"_{name}"])
-            setattr(self, f"_{name}", _scalar(state[f"_{name}"], name))
-        self._eps = _scalar(state["_eps"], "eps")
 
     @property
     def device(self) -> torch.device:

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastreplay._core.slice_index import slice_index
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     PRIORITIZED_SLICE_ARGS,
     STATIC_BOUNDARIES,
@@ -161,10 +161,6 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         self.slice_len = _check_count("slice_len", self.slice_len)
         self._fr_sync = IndexSync()  # storage -> trajectory index, told about every write
         self._fr_static: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        IndexSync.upgrade(state)  # pickled by an earlier version: the index fields, moved
-        PrioritizedSampler.__setstate__(self, state)
 
     def __repr__(self) -> str:
         return (

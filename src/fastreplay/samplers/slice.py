@@ -10,10 +10,10 @@ import torch
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
 
+from fastreplay._core.slice_index import slice_index
+from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import constructor_signature
-from fastreplay._slice_errors import MissingKeyError, SignalTypeError, SliceSamplerError
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
@@ -23,7 +23,7 @@ from fastreplay._torchrl import (
     storage_len,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
-from fastreplay._trajectory_index import TrajectoryIndex
+from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
 __all__ = [
     "MissingKeyError",
@@ -222,6 +222,8 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     end_key = _BoundaryKey()
     end_keys = _BoundaryKey()
     traj_key = _BoundaryKey()
+    num_slices: int | None  # set by TorchRL's __init__, checked by ours
+    slice_len: int | None
 
     def __init__(self, **kwargs: Any) -> None:
         """Build the sampler; arguments as in the installed ``torchrl.data.SliceSampler``.
@@ -299,10 +301,6 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         state = super().__getstate__()
         state["_fr_sync"] = self._fr_sync.detached()  # a copy rebuilds from its storage
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        IndexSync.upgrade(state)  # pickled by an earlier version: the index fields, moved
-        self.__dict__.update(state)
 
     # ----------------------------------------------------------------------- the index
     def _fr_indexed(self, storage: Any) -> bool:
@@ -408,7 +406,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
 
         TorchRL's ``_get_index`` without ``span`` in a 1-D storage: the same draw (one
         ``torch.rand`` per slice, on ``device``) and the same index, built by
-        :func:`fastreplay._slice_indices.slice_index`; the info is ``_finalize_index``'s.
+        :func:`fastreplay._core.slice_index.slice_index`; the info is ``_finalize_index``'s.
         """
         draw = torch.rand(start.shape[0], device=device, generator=self._rng)
         (steps,), _ = slice_index(start, seq, rows, length=length, draw=draw.cpu().numpy())
@@ -457,10 +455,10 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         n_all = int(index.counts(1).sum())
         n_long = int(index.counts(seq_length).sum())
         if self.strict_length and not n_long:
-            lengths = index.boundaries()[2]
+            stored = index.boundaries()[2]
             raise SliceSamplerError(
                 f"No trajectory is at least {seq_length} steps long (stored lengths "
-                f"{int(lengths.min())} to {int(lengths.max())}) with strict_length=True; "
+                f"{int(stored.min())} to {int(stored.max())}) with strict_length=True; "
                 "sample shorter slices or pass strict_length=False."
             )
         return batch_size, seq_length, num_slices, index, n_all, n_long

@@ -5,7 +5,7 @@ A thin adapter: a :class:`fastreplay.SliceSampler` (as TorchRL's class is a Torc
 epoch bookkeeping (``drop_last``, ``shuffle``,
 a new epoch when the number of trajectories changes) follows TorchRL's
 ``SamplerWithoutReplacement``, with large shuffled epochs drawn lazily by
-:class:`fastreplay._epoch_permutation.EpochPermutation`.
+:class:`fastreplay._core.epoch_permutation.EpochPermutation`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from tensordict.utils import NestedKey
 
-from fastreplay._epoch_permutation import EpochPermutation
+from fastreplay._core.epoch_permutation import EpochPermutation
+from fastreplay._core.slice_index import slice_index
 from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
-from fastreplay._slice_indices import slice_index
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     STATIC_BOUNDARIES,
@@ -115,14 +115,6 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             self._sample_list = self._sample_list
         return super().state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the epoch state; the trajectory index is rebuilt at the next sample."""
-        super().load_state_dict(state_dict)
-
-    def loads(self, path: Any) -> None:
-        """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
-        super().loads(path)
-
     # ------------------------------------------------------------------------ sampling
     def sample(self, storage: Storage, batch_size: int) -> tuple[Any, dict]:
         """The next trajectories of the epoch, one slice each: ``O(batch)`` per call.
@@ -183,7 +175,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         """One slice of ``seq`` steps in each trajectory ``(start, length, col)``: ``O(batch)``.
 
         TorchRL's ``_get_index`` (the same random numbers, the same outputs), built by
-        :func:`fastreplay._slice_indices.slice_index`. Only the flags' and markers' keys are
+        :func:`fastreplay._core.slice_index.slice_index`. Only the flags' and markers' keys are
         gathered from the storage, where TorchRL gathers every stored key of the sampled steps
         (``storage[index]``) to read two or three.
         """
@@ -253,6 +245,9 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
     # per call. ``_sample_list`` stays readable and writable for TorchRL's code and for state
     # dicts: a list set there (a loaded checkpoint) is consumed in order, as TorchRL does.
     _fr_lazy_above = 4096
+    _fr_lazy: bool  # the epoch is drawn lazily (in ``_fr_perm``), else listed in ``_fr_list``
+    _fr_list: Any  # a tensor; None while the epoch is drawn lazily
+    len_storage: int  # TorchRL's
 
     @property
     def _sample_list(self) -> torch.Tensor | None:

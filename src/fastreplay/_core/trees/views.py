@@ -1,14 +1,14 @@
 """Read-only views that answer like TorchRL's compiled segment trees (``_sum_tree``/``_min_tree``).
 
-TorchRL's ``PrioritizedSampler`` keeps two compiled trees, ``_sum_tree`` and ``_min_tree``.
-They are private, but TorchRL's tests and user code read them (``tree[i]``, ``tree.at(i)``,
-``tree.query(0, len(rb))``, ``tree.scan_lower_bound(mass)``). These views answer those calls
-from the sampler's trees (a :class:`fastreplay._tree_backends.PriorityTreeBackend`, any backend),
-with TorchRL's return types: an int index gives a Python float, a NumPy array gives a NumPy
-array of the tree dtype, a tensor gives a tensor of the same shape (a 0-dim tensor gives a
-Python float, as the compiled trees do). Writing through them raises :class:`TypeError`:
-priorities change through ``update_priority``. :class:`TorchRLTreeViews` wires them (and
-TorchRL's ``_max_priority`` pair) into the sampler as read-only properties.
+TorchRL's ``PrioritizedSampler`` keeps two compiled trees, ``_sum_tree`` and ``_min_tree``. They are
+private, but TorchRL's tests and user code read them (``tree[i]``, ``tree.at(i)``, ``tree.query(0,
+len(rb))``, ``tree.scan_lower_bound(mass)``). These views answer those calls from the sampler's
+trees (a :class:`fastreplay._core.trees.interface.PriorityTreeBackend`, any backend), with TorchRL's
+return types: an int index gives a Python float, a NumPy array gives a NumPy array of the tree
+dtype, a tensor gives a tensor of the same shape (a 0-dim tensor gives a Python float, as the
+compiled trees do). Writing through them raises :class:`TypeError`: priorities change through
+``update_priority``. :class:`TorchRLTreeViews` wires them (and TorchRL's ``_max_priority`` pair)
+into the sampler as read-only properties.
 
 Costs: point reads O(k); ``query`` over every slot O(1) (the tree root), over a sub-range
 O(capacity) (vectorized); ``scan_lower_bound`` O(k log capacity).
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastreplay._tree_backends import PriorityTreeBackend
+from fastreplay._core.trees.interface import PriorityTreeBackend
 
 __all__ = ["MinTreeView", "SumTreeView", "TorchRLTreeViews"]
 
@@ -162,7 +162,7 @@ class SumTreeView(_TreeView):
 
     Example:
         >>> import torch
-        >>> from fastreplay._segment_tree import PriorityTrees
+        >>> from fastreplay._core.trees.torch_backend import PriorityTrees
         >>> trees = PriorityTrees(7)
         >>> trees.update(torch.tensor([0, 3]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
         >>> view = SumTreeView(lambda: trees, lambda: torch.float32, lambda: 7)
@@ -223,7 +223,7 @@ class MinTreeView(_TreeView):
 
     Example:
         >>> import torch
-        >>> from fastreplay._segment_tree import PriorityTrees
+        >>> from fastreplay._core.trees.torch_backend import PriorityTrees
         >>> trees = PriorityTrees(7)
         >>> trees.update(torch.tensor([0, 3]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
         >>> view = MinTreeView(lambda: trees, lambda: torch.float32, lambda: 7)

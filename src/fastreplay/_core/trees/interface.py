@@ -1,14 +1,15 @@
 """Priority-tree backends: their interface, which ones run here, a factory (no TorchRL imports).
 
 Two backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
-(:class:`fastreplay._segment_tree.PriorityTrees`: pure torch, any device, always available)
-and ``"numba"`` (:class:`fastreplay._segment_tree_numba.NumbaPriorityTrees`: compiled loops on
-the CPU, when numba is installed). Fed the same calls, both hold bit-for-bit the same leaves and
-draw the same samples with the same weights (``tests/conformance/test_tree_backends.py``), so
-the samplers call the interface and never ask which backend runs.
+(:class:`fastreplay._core.trees.torch_backend.PriorityTrees`: pure torch, any device, always
+available) and ``"numba"`` (:class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`:
+compiled loops on the CPU, when numba is installed). Fed the same calls, both hold bit-for-bit the
+same leaves and draw the same samples with the same weights
+(``tests/conformance/test_tree_backends.py``), so the samplers call the interface and never ask
+which backend runs.
 
 Example:
-    >>> from fastreplay._tree_backends import available_backends, make_trees
+    >>> from fastreplay._core.trees.interface import available_backends, make_trees
     >>> "torch" in available_backends()
     True
     >>> trees = make_trees(7)  # numba when it is installed, else torch
@@ -22,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from fastreplay._segment_tree import PriorityTrees
+from fastreplay._core.trees.torch_backend import PriorityTrees
 
 __all__ = ["BACKENDS", "PriorityTreeBackend", "available_backends", "make_trees", "move_trees"]
 
@@ -39,7 +40,7 @@ class PriorityTreeBackend(Protocol):
 
     The sampler operations (:meth:`check_and_write`, :meth:`mark_update`, :meth:`sample`) take
     ``eps``, ``alpha``, ``beta`` as Python floats and ``f32`` (the sampler's dtype is float32)
-    and raise the samplers' errors, worded by :mod:`fastreplay._segment_tree_ops`; a call that
+    and raise the samplers' errors, worded by :mod:`fastreplay._core.trees.ops`; a call that
     raises has changed nothing.
     """
 
@@ -207,7 +208,7 @@ class PriorityTreeBackend(Protocol):
 
 def available_backends() -> tuple[str, ...]:
     """The tree backends that work in this environment (``"torch"`` always does)."""
-    from fastreplay._segment_tree_numba import NUMBA_AVAILABLE
+    from fastreplay._core.trees.numba_backend import NUMBA_AVAILABLE
 
     return ("torch", "numba") if NUMBA_AVAILABLE else ("torch",)
 
@@ -239,7 +240,7 @@ def make_trees(
         >>> make_trees(7, backend="torch").backend
         'torch'
     """
-    from fastreplay._segment_tree_numba import NUMBA_AVAILABLE, NumbaPriorityTrees
+    from fastreplay._core.trees.numba_backend import NUMBA_AVAILABLE, NumbaPriorityTrees
 
     if backend is not None and backend not in BACKENDS:
         raise ValueError(

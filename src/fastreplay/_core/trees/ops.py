@@ -1,7 +1,7 @@
 """Checked priority writes and sampling on priority trees (no TorchRL imports).
 
 The sampler-level operations of the tree interface
-(:class:`fastreplay._tree_backends.PriorityTreeBackend`), shared by both backends:
+(:class:`fastreplay._core.trees.interface.PriorityTreeBackend`), shared by both backends:
 
 * :func:`validate` and :func:`check_mass`: the atomic checks of a priority write, with the
   error classes and messages the samplers raise (:class:`PriorityOverflowError` for a mass that
@@ -9,11 +9,11 @@ The sampler-level operations of the tree interface
   only to raise (or to decide a mass near the dtype's limit exactly);
 * :class:`TorchTreeOps`, the pure-torch backend's ``check_and_write`` (bulk writes in chunks
   of bounded memory), ``mark_update`` and ``sample``, mixed into
-  :class:`fastreplay._segment_tree.PriorityTrees`.
+  :class:`fastreplay._core.trees.torch_backend.PriorityTrees`.
 
 Example:
     >>> import torch
-    >>> from fastreplay._segment_tree import PriorityTrees
+    >>> from fastreplay._core.trees.torch_backend import PriorityTrees
     >>> trees = PriorityTrees(7)
     >>> trees.check_and_write(torch.tensor([0, 3]), torch.tensor([1.0, 3.0]), 7, 0.0, 1.0, True)
     (3.0, 3)
@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fastreplay.errors import PriorityOverflowError
+
 __all__ = [
     "FLOAT32_LIMIT",
     "PriorityOverflowError",
@@ -44,18 +46,6 @@ __all__ = [
 
 # A float64 value rounds to a finite float32 iff it is below FLT_MAX + half an ulp (2 ** 103).
 FLOAT32_LIMIT = float(torch.finfo(torch.float32).max) + 2.0**103
-
-
-class PriorityOverflowError(OverflowError, ValueError):
-    """A priority whose sampling mass ``(p + eps) ** alpha`` does not fit the sampler's dtype.
-
-    An :class:`OverflowError` (what TorchRL raises when such a mass reaches its trees) and a
-    :class:`ValueError` (what fastreplay raises for other bad priorities).
-    """
-
-
-# Users import it from the sampler module (which re-exports it): tracebacks name it there.
-PriorityOverflowError.__module__ = "fastreplay.samplers.prioritized"
 
 
 def mass_limit(f32: bool, slots: int) -> float:
@@ -176,9 +166,9 @@ def validate(
 
 
 class TorchTreeOps:
-    """The sampler operations of :class:`fastreplay._segment_tree.PriorityTrees` (a mixin).
+    """The sampler operations of :class:`~fastreplay._core.trees.torch_backend.PriorityTrees`.
 
-    See :class:`fastreplay._tree_backends.PriorityTreeBackend` for the contract.
+    See :class:`fastreplay._core.trees.interface.PriorityTreeBackend` for the contract.
     """
 
     bulk_chunk = 1 << 16  # smallest chunk of a bulk write (chunks are capacity / 16 or this)
@@ -255,7 +245,7 @@ class TorchTreeOps:
     ) -> tuple[float, int]:
         """Write the default priority at every slot of ``index``. O(k log_B capacity).
 
-        See :meth:`fastreplay._tree_backends.PriorityTreeBackend.mark_update`.
+        See :meth:`fastreplay._core.trees.interface.PriorityTreeBackend.mark_update`.
         """
         i_min, i_max = (bound.item() for bound in torch.aminmax(index))
         if not 0 <= i_min <= i_max < stored:  # -1 markers, or a bad index (raises first)

@@ -1,10 +1,10 @@
 """numba for fastreplay's kernels: compile with a disk cache where one is writable, prefetch.
 
-The kernels (:mod:`fastreplay._numba_kernels`) are cached on disk (numba's ``cache=True``: a
-``__pycache__`` next to the module, the user's cache dir, or ``NUMBA_CACHE_DIR``). Where none
-of them is writable (a read-only install), they are compiled without a cache in every process
-instead, and one message on the ``fastreplay`` logger says how to enable it (a logged message,
-not a warning: importing must keep working where warnings are errors).
+The kernels (:mod:`fastreplay._core.trees.numba_kernels`) are cached on disk (numba's
+``cache=True``: a ``__pycache__`` next to the module, the user's cache dir, or ``NUMBA_CACHE_DIR``).
+Where none of them is writable (a read-only install), they are compiled without a cache in every
+process instead, and one message on the ``fastreplay`` logger says how to enable it (a logged
+message, not a warning: importing must keep working where warnings are errors).
 
 ``_prefetch`` hints the CPU to load a cache line without waiting for it: a search or update
 issues the loads of many independent nodes back to back, so their misses overlap. Without
@@ -19,11 +19,11 @@ from typing import Any
 try:  # optional dependency: ``pip install numba``
     import numba
 except ImportError:  # pragma: no cover - depends on the environment
-    numba = None
+    numba = None  # type: ignore[assignment, unused-ignore]  # (Any where numba is missing)
 
 NUMBA_AVAILABLE = numba is not None
 
-_LOG = logging.getLogger("fastreplay._numba_kernels")  # where users look for it
+_LOG = logging.getLogger("fastreplay._core.trees.numba_kernels")  # where users look for it
 _NO_CACHE = (
     "numba cannot cache fastreplay's compiled kernels: neither the __pycache__ folder next to "
     "%s nor the user's cache dir is writable, so every new process compiles them again (a few "

@@ -1,11 +1,11 @@
-"""The compiled loops behind :class:`fastreplay._segment_tree_numba.NumbaPriorityTrees`.
+"""The compiled loops behind :class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`.
 
 Every function works on the ``(3, nodes)`` float64 tree array (rows: sum of the mass, min of
 the mass, negated min of the raw priorities; levels back to back, leaves first) and the
 ``offsets``/``sizes`` of its levels. The functions are plain Python when numba is missing;
 they are then never called (only constructing the trees needs numba).
 
-Compiling, caching and the ``_prefetch`` hint are in :mod:`fastreplay._numba_jit`.
+Compiling, caching and the ``_prefetch`` hint are in :mod:`fastreplay._core.numba_jit`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from fastreplay._numba_jit import NUMBA_AVAILABLE, _jit, _prefetch, numba
+from fastreplay._core.numba_jit import NUMBA_AVAILABLE, _jit, _prefetch, numba
 
 _INF = math.inf
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fastreplay._segment_tree_ops import TorchTreeOps
+from fastreplay._core.trees.ops import TorchTreeOps
 
 __all__ = ["PriorityTrees"]
 
@@ -67,9 +67,10 @@ class PriorityTrees(TorchTreeOps):
     Memory is ``3 * 8 * capacity * (1 + 1 / (branching - 1))`` bytes (about 24 bytes a slot).
     Not thread-safe: callers serialize writes and searches (the samplers hold a lock).
 
-    Implements :class:`fastreplay._tree_backends.PriorityTreeBackend` (the sampler operations
-    ``check_and_write``, ``mark_update`` and ``sample`` come from :class:`TorchTreeOps`), as
-    :class:`fastreplay._segment_tree_numba.NumbaPriorityTrees` (compiled loops on the CPU) does.
+    Implements :class:`fastreplay._core.trees.interface.PriorityTreeBackend` (the sampler
+    operations ``check_and_write``, ``mark_update`` and ``sample`` come from
+    :class:`TorchTreeOps`), as :class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`
+    (compiled loops on the CPU) does.
 
     Example:
         >>> import torch

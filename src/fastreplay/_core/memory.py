@@ -16,7 +16,7 @@ view, as with ``numpy.zeros``, and pickling copies the values.
 
 Example:
     >>> import numpy as np
-    >>> from fastreplay._memory import large_zeros
+    >>> from fastreplay._core.memory import large_zeros
     >>> tree = large_zeros((3, 1_000_000), np.float64)
     >>> tree.shape, tree.dtype, float(tree.sum()), tree.flags.c_contiguous
     ((3, 1000000), dtype('float64'), 0.0, True)
@@ -70,6 +70,7 @@ def large_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if not huge_pages_advised(nbytes):
         return np.zeros(shape, dtype)
+    assert _PRIVATE is not None and _ANONYMOUS is not None and _ADVICE is not None  # advised
     try:
         # One extra huge page of address space, so an aligned start fits inside it.
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=_PRIVATE | _ANONYMOUS)

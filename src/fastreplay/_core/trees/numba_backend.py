@@ -1,12 +1,13 @@
 """Priority segment trees walked by numba-compiled loops (CPU only, optional ``numba``).
 
-:class:`NumbaPriorityTrees` implements the tree interface :class:`fastreplay._tree_backends.
-PriorityTreeBackend`, as :class:`fastreplay._segment_tree.PriorityTrees` does (same methods,
-same semantics, same ``levels`` views, same errors: :mod:`fastreplay._segment_tree_ops` words
-them), with the tree kept in one float64 array of shape ``(3, nodes)``: row 0 the sum tree
-over the sampling mass, row 1 the min tree over the mass, row 2 the negated-min tree over the
-raw priorities (see :mod:`fastreplay._segment_tree`). The levels are stored back to back,
-leaves first, with the same ``branching``-ary padded layout as the pure-torch trees.
+:class:`NumbaPriorityTrees` implements the tree interface
+:class:`fastreplay._core.trees.interface.PriorityTreeBackend`, as
+:class:`fastreplay._core.trees.torch_backend.PriorityTrees` does (same methods, same semantics, same
+``levels`` views, same errors: :mod:`fastreplay._core.trees.ops` words them), with the tree kept in
+one float64 array of shape ``(3, nodes)``: row 0 the sum tree over the sampling mass, row 1 the min
+tree over the mass, row 2 the negated-min tree over the raw priorities (see
+:mod:`fastreplay._core.trees.torch_backend`). The levels are stored back to back, leaves first, with
+the same ``branching``-ary padded layout as the pure-torch trees.
 
 Every operation is one compiled loop instead of a few torch ops per tree level, so a call costs
 a few microseconds of dispatch plus the memory accesses themselves:
@@ -29,7 +30,7 @@ imports without numba; only constructing :class:`NumbaPriorityTrees` needs it.
 
 Example:
     >>> import torch
-    >>> from fastreplay._tree_backends import make_trees
+    >>> from fastreplay._core.trees.interface import make_trees
     >>> trees = make_trees(7)  # these trees when numba is installed, else the torch ones
     >>> trees.update(torch.tensor([0, 3, 6]), torch.tensor([1.0, 2.0, 5.0]),
     ...              torch.tensor([1.0, 2.0, 5.0]))
@@ -47,8 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastreplay._memory import huge_pages_advised, large_zeros
-from fastreplay._numba_kernels import (
+from fastreplay._core.memory import huge_pages_advised, large_zeros
+from fastreplay._core.trees.numba_kernels import (
     _CLEARED,
     BAD_INDEX,
     BAD_PRIORITY,
@@ -67,7 +68,7 @@ from fastreplay._numba_kernels import (
     _write_priorities,
     numba,
 )
-from fastreplay._segment_tree_ops import check_mass, mass_bound, validate
+from fastreplay._core.trees.ops import check_mass, mass_bound, validate
 
 __all__ = [
     "BAD_INDEX",
@@ -87,9 +88,9 @@ _WEIGHT_DTYPES = (np.float64, np.float32)  # by ``f32``
 class NumbaPriorityTrees:
     """Sum, min and negated-min segment trees over ``capacity`` slots, compiled loops, CPU.
 
-    Same interface (:class:`fastreplay._tree_backends.PriorityTreeBackend`) and semantics as
-    :class:`fastreplay._segment_tree.PriorityTrees`; ``check_and_write``, ``mark_update`` and
-    ``sample`` each run one compiled kernel.
+    Same interface (:class:`fastreplay._core.trees.interface.PriorityTreeBackend`) and semantics
+    as :class:`fastreplay._core.trees.torch_backend.PriorityTrees`; ``check_and_write``,
+    ``mark_update`` and ``sample`` each run one compiled kernel.
 
     Args:
         capacity: number of leaf slots (any positive int).

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastreplay.samplers._priority_common import FLOAT_DTYPES, locked, scalar
+from fastreplay._core.priority_common import FLOAT_DTYPES, locked, scalar
+from fastreplay.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from fastreplay._tree_backends import PriorityTreeBackend
+    from fastreplay._core.trees.interface import PriorityTreeBackend
 
 __all__ = ["CheckpointError", "PriorityCheckpoints"]
 
@@ -29,22 +30,6 @@ _REQUIRED = (
     "_max_capacity", "_alpha", "_beta", "_eps", "_upper_priority", "_initial_priority",
     "_all_time_max", "_max_priority_within_buffer", "dtype",
 )  # fmt: skip
-
-
-class CheckpointError(ValueError, KeyError, RuntimeError):
-    """A state dict or ``dumps`` folder this sampler cannot load; nothing was changed.
-
-    Subclasses the errors TorchRL raises for foreign or mismatched checkpoints
-    (:class:`KeyError` for a missing key, :class:`RuntimeError` for another capacity) and
-    :class:`ValueError`.
-    """
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-# Users import it from the sampler module (which re-exports it): tracebacks name it there.
-CheckpointError.__module__ = "fastreplay.samplers.prioritized"
 
 
 class PriorityCheckpoints:

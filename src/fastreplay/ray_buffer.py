@@ -1,4 +1,4 @@
-"""Ray replay buffers whose construction errors are raised at construction.
+"""``fastreplay.RayReplayBuffer``: Ray replay buffers whose construction errors are raised there.
 
 TorchRL's ``RayReplayBuffer`` (and ``ReplayBuffer(service_backend="ray")``) builds the buffer
 inside a Ray actor and returns at once. When the actor's constructor raises (a sampler given a
@@ -36,18 +36,11 @@ from typing import Any
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import TorchRLRayReplayBuffer as _TorchRLRayReplayBuffer
 from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
+from fastreplay.errors import ReplayBufferClassError
 
-__all__ = ["RayReplayBuffer", "checked_actor_class"]
+__all__ = ["RayReplayBuffer", "ReplayBufferClassError", "checked_actor_class"]
 
 _INSTALL = "pip install ray"
-
-
-class ReplayBufferClassError(TypeError, AttributeError):
-    """``replay_buffer_cls`` is not a replay-buffer class.
-
-    TorchRL fails on ``replay_buffer_cls.as_remote`` (``AttributeError``); a wrong type is a
-    ``TypeError``: this class is both.
-    """
 
 
 def _ray_installed() -> bool:
@@ -87,7 +80,7 @@ def _guarded(cls: type) -> type:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         self._fr_construction = None
         try:
-            cls.__init__(self, *args, **kwargs)
+            cls.__init__(self, *args, **kwargs)  # type: ignore[misc]  # the class's own
         except Exception as err:  # kept, sent back and raised by the constructing process
             remote = "".join(traceback.format_exception(err))
             try:
@@ -235,7 +228,7 @@ class RayReplayBuffer(_TorchRLRayReplayBuffer):
         ... )
         Traceback (most recent call last):
         ...
-        fastreplay._ray.ReplayBufferClassError: replay_buffer_cls=functools.partial(...) ...
+        fastreplay.errors.ReplayBufferClassError: replay_buffer_cls=functools.partial(...) ...
     """
 
     __signature__ = _ForwardingSignature()  # TorchRL's metaclass hides __init__
@@ -259,10 +252,10 @@ class RayReplayBuffer(_TorchRLRayReplayBuffer):
                 "share a storage with shared=True: see docs/scale_out.md)."
             )
         super().__init__(
-            replay_buffer_cls=_CheckedClass(replay_buffer_cls),  # type: ignore[arg-type]
+            replay_buffer_cls=_CheckedClass(replay_buffer_cls),
             ray_init_config=ray_init_config,
             remote_config=remote_config,
-            transport=transport,  # type: ignore[arg-type]
+            transport=transport,
             transport_options=transport_options,
             delayed_init=delayed_init,
             **kwargs,

@@ -49,6 +49,7 @@ def slice_index(
     n = start.shape[0]
     first = start
     if draw is not None:
+        assert length is not None, "draw needs the trajectory lengths"
         room = (length - seq + 1).astype(draw.dtype)  # torch's ``rand * int64``: float32
         first = start + np.floor(draw * room).astype(np.int64)
     if isinstance(seq, int):
