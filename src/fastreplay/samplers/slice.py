@@ -16,6 +16,7 @@ from fastreplay._index_sync import IndexSync
 from fastreplay._signature import constructor_signature
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
+    HAS_CAN_SAMPLE,
     STATIC_BOUNDARIES,
     SliceSamplerBase,
     TensorStorage,
@@ -462,6 +463,26 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
                 "sample shorter slices or pass strict_length=False."
             )
         return batch_size, seq_length, num_slices, index, n_all, n_long
+
+    if HAS_CAN_SAMPLE:
+
+        def can_sample(self, storage: Any, batch_size: int) -> bool:
+            """Whether a slice of ``batch_size``'s length fits, as TorchRL decides it.
+
+            TorchRL counts the slice windows of every stored trajectory (``O(items stored)``
+            after a write, at every ``sample(wait=True)``, ``wait_until_sampleable`` and
+            ``RateLimitedReplayBuffer`` check). A window exists when some trajectory is at
+            least that long (``strict_length=True``) or any trajectory is stored: the index
+            keeps those counts, so this is ``O(columns)`` after the incremental update.
+            """
+            if not self._fr_indexed(storage) or storage_len(storage) == 0:
+                return super().can_sample(storage, batch_size)
+            seq_length, _ = self._adjusted_batch_size(batch_size)  # TorchRL's errors
+            try:
+                index = self._fr_sync.sync(storage, self)
+            except (KeyError, RuntimeError):  # as TorchRL: no boundaries, nothing to sample
+                return False
+            return bool(index.counts(seq_length if self.strict_length else 1).sum() > 0)
 
     def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
         """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
