@@ -102,6 +102,17 @@ def make_buffer(side: str, torchrl_cls: str = "ReplayBuffer", **kwargs: Any) -> 
     raise ValueError(f"side must be one of {BUFFER_SIDES}, got {side!r}")
 
 
+def extend_in_two(rb: Any, data: Any) -> torch.Tensor:
+    """``rb.extend(data)`` as two writes of its halves: the same rows stored, the same cursor.
+
+    The first write to a lazy storage initialises it (TorchRL's path in either buffer);
+    fastreplay's buffer writes the second on its direct path, which tells the sampler of the
+    rows itself. Returns the written indices, as one ``extend`` would.
+    """
+    half = len(data) // 2
+    return torch.cat([rb.extend(data[:half]), rb.extend(data[half:])])
+
+
 def episodes(n: int, length: int | list[int], *, columns: int | None = None, first_id: int = 0):
     """``n`` steps of back-to-back episodes with ``obs = traj_id * 10_000 + step``.
 

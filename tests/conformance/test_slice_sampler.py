@@ -26,6 +26,7 @@ from conformance.conftest import (
     Impl,
     assert_slices_valid,
     episodes,
+    extend_in_two,
     make_buffer,
 )
 from conftest import requires_cuda, requires_slice_args, short_flat_batches, skip_unless_slice_args
@@ -87,7 +88,7 @@ def test_is_init_marks_each_slice_start(impl: Impl, buffer_side: str) -> None:
     rb = _buffer(impl, storage, side=buffer_side, num_slices=3, end_key=DONE)
     td = episodes(35, 10)
     td["is_init"] = td["step"] == 0
-    rb.extend(td)
+    extend_in_two(rb, td)
     index, info = rb.sampler.sample(storage, 12)
     is_init = info["is_init"].view(3, 4)
     assert is_init[:, 0].all()
@@ -101,7 +102,7 @@ def test_short_trajectories(impl: Impl, buffer_side: str, strict: bool) -> None:
     rb = _buffer(
         impl, storage, side=buffer_side, num_slices=4, traj_key="traj", strict_length=strict
     )
-    rb.extend(episodes(29, [2, 9, 3]))
+    extend_in_two(rb, episodes(29, [2, 9, 3]))
     for _ in range(5):
         index, info = rb.sampler.sample(storage, 24)  # slices of 6: only the 9-step episodes fit
         obs = _obs(storage, index)
@@ -190,7 +191,7 @@ def test_checkpoint_into_fresh_buffer_cursor_boundary(
     rb = buffer()
     td = episodes(73, [9, 13])
     td[DONE][-1] = False
-    rb.extend(td)
+    extend_in_two(rb, td)
     expected = trl.SliceSampler(num_slices=2, end_key=DONE)._get_stop_and_length(rb.storage)
     fresh = buffer()
     _restore(rb, fresh, how, tmp_path)
@@ -207,7 +208,7 @@ def test_replacement_false_builds_the_without_replacement_sampler(
     assert isinstance(sampler, trl.SliceSamplerWithoutReplacement)
     assert isinstance(sampler, impl.cls("SliceSamplerWithoutReplacement"))
     storage = trl.LazyTensorStorage(40)
-    make_buffer(buffer_side, storage=storage, sampler=sampler).extend(episodes(40, 10))
+    extend_in_two(make_buffer(buffer_side, storage=storage, sampler=sampler), episodes(40, 10))
     index, _ = sampler.sample(storage, 16)
     assert_slices_valid(_obs(storage, index), 4)
     trajs = storage[index]["traj"].view(4, 4)[:, 0]
@@ -224,7 +225,7 @@ def test_end_keys_none_in_storage_fall_back_to_traj_ids(impl: Impl, buffer_side:
     )
     td = episodes(33, [5, 8])
     td["episode"] = td["traj"]
-    rb.extend(td.exclude(DONE))
+    extend_in_two(rb, td.exclude(DONE))
     for _ in range(3):
         index, _ = rb.sampler.sample(storage, 8)
         assert_slices_valid(_obs(storage, index), 2)
@@ -326,7 +327,7 @@ def test_bad_storages_raise_torchrls_error_class_and_change_nothing(
     skip_unless_slice_args(kwargs)
     rb = _buffer(impl, storage, side=buffer_side, num_slices=2, **kwargs)
     if data is not None:
-        rb.extend(data)
+        extend_in_two(rb, data)
     before = [storage[i] for i in range(len(storage))]
     with pytest.raises(error):
         rb.sampler.sample(storage, 4)
@@ -344,7 +345,7 @@ def test_bad_requests_raise_runtime_error(
 ) -> None:
     storage = trl.LazyTensorStorage(30)
     rb = _buffer(impl, storage, side=buffer_side, num_slices=2, end_key=DONE, strict_length=strict)
-    rb.extend(episodes(25, 5))
+    extend_in_two(rb, episodes(25, 5))
     with pytest.raises(RuntimeError):
         rb.sampler.sample(storage, batch_size)
     index, _ = rb.sampler.sample(storage, 8)  # still samples afterwards
@@ -384,7 +385,7 @@ def test_can_sample(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(30)
     rb = _buffer(impl, storage, side=buffer_side, num_slices=2, end_key=DONE)
     assert not rb.sampler.can_sample(storage, 8)  # empty
-    rb.extend(episodes(20, [3, 6]))
+    extend_in_two(rb, episodes(20, [3, 6]))
     assert rb.sampler.can_sample(storage, 8)  # slices of 4 fit in the 6-step episodes
     assert not rb.sampler.can_sample(storage, 20)  # slices of 10 fit nowhere
     missing = impl.cls("SliceSampler")(num_slices=2, end_key=("next", "x"))

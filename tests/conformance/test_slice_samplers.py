@@ -16,7 +16,14 @@ import pytest
 import torch
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
-from conformance.conftest import DONE, Impl, assert_slices_valid, episodes, make_buffer
+from conformance.conftest import (
+    DONE,
+    Impl,
+    assert_slices_valid,
+    episodes,
+    extend_in_two,
+    make_buffer,
+)
 from conftest import short_flat_batches
 from fastreplay._torchrl import last_cursor_row
 
@@ -108,7 +115,7 @@ def test_prioritized_starts_follow_priorities_among_valid_starts(
 
 def test_prioritized_weights_are_start_mass_over_min_mass(per_impl, buffer_side) -> None:
     rb, sampler, storage = _per_buffer(per_impl, buffer_side, 41, slice_len=3, traj_key="traj")
-    index = rb.extend(episodes(41, [6, 9, 5]))
+    index = extend_in_two(rb, episodes(41, [6, 9, 5]))
     priority = torch.linspace(0.5, 3.0, 41)
     rb.update_priority(index, priority)
     index, info = sampler.sample(storage, 3 * 50)
@@ -125,7 +132,7 @@ def test_prioritized_zero_priority_trajectory_is_almost_never_started(
     # mass eps ** alpha ~ 4e-7 against 1: odd trajectories are (almost surely) never drawn
     rb, sampler, storage = _per_buffer(per_impl, buffer_side, 61, slice_len=4, traj_key="traj")
     data = episodes(60, 10)
-    index = rb.extend(data)
+    index = extend_in_two(rb, data)
     rb.update_priority(index, (data["traj"] % 2 == 0).float() + 0.0)
     index, _ = sampler.sample(storage, 4 * 200)
     traj = storage[index]["traj"]
@@ -215,7 +222,7 @@ def test_wor_drop_last_and_exhaustion(impl, buffer_side, lazy, drop_last) -> Non
         traj_key="traj",
         drop_last=drop_last,
     )
-    rb.extend(episodes(70, 7))  # ten trajectories, three per batch
+    extend_in_two(rb, episodes(70, 7))  # ten trajectories, three per batch
     sizes = []
     for _ in range(4):
         index, _ = sampler.sample(storage, 3 * 2)
@@ -243,7 +250,7 @@ def test_wor_short_trajectories_are_skipped_with_strict_length(impl, buffer_side
     rb, sampler, storage = _wor_buffer(
         impl, buffer_side, 63, lazy=lazy, num_slices=4, traj_key="traj"
     )
-    rb.extend(episodes(60, [2, 9, 3, 12]))
+    extend_in_two(rb, episodes(60, [2, 9, 3, 12]))
     index, _ = sampler.sample(storage, 4 * 5)
     obs = storage[index]["obs"]
     assert_slices_valid(obs, obs.numel() // 5)

@@ -20,7 +20,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 
 import fastreplay._segment_tree_numba as numba_trees
-from conformance.conftest import TORCHRL_BUFFER, make_buffer
+from conformance.conftest import TORCHRL_BUFFER, extend_in_two, make_buffer
 from conftest import requires_cuda, requires_torchrl_ext
 from fastreplay import PrioritizedSampler
 from fastreplay._segment_tree import PriorityTrees
@@ -184,7 +184,7 @@ def test_backends_sample_identically(buffer_side: str, dtype: torch.dtype) -> No
 def test_bad_input_rejected_atomically(backend: str, buffer_side: str) -> None:
     sampler = PrioritizedSampler(50, 1.0, 0.5, backend=backend)
     rb = _buffer(sampler, 50, buffer_side)
-    rb.extend(_rows(0, 20, torch.rand(20) + 0.1))
+    extend_in_two(rb, _rows(0, 20, torch.rand(20) + 0.1))
     before = [level.clone() for level in sampler._trees.levels]
     cases = [
         (torch.tensor([1, 2]), torch.tensor([1.0, math.nan]), ValueError, r"index 2: nan"),
@@ -289,7 +289,7 @@ def test_checkpoints_cross_backends(backend: str, buffer_side: str, tmp_path) ->
         other = "torch"
     source = PrioritizedSampler(50, 0.7, 0.5, backend=backend)
     rb = _buffer(source, 50, buffer_side)
-    rb.extend(_rows(0, 60, torch.rand(60) + 0.1))
+    extend_in_two(rb, _rows(0, 60, torch.rand(60) + 0.1))
     target = PrioritizedSampler(50, 0.7, 0.5, backend=other)
     target.load_state_dict(source.state_dict())
     assert torch.equal(target._trees.raw(), source._trees.raw())
@@ -312,7 +312,7 @@ def test_same_calls_as_torchrl(backend: str, buffer_side: str) -> None:
     rbs = [_buffer(ours, 1023, buffer_side), _buffer(theirs, 1023, TORCHRL_BUFFER)]
     data = _rows(0, 1100, torch.rand(1100, generator=gen) + 0.05)
     for rb in rbs:
-        rb.extend(data.clone())
+        extend_in_two(rb, data.clone())
         rb.extend(_rows(1100, 16))
     index = torch.randint(1023, (300,), generator=gen)
     priority = torch.rand(300, generator=gen)
