@@ -22,6 +22,7 @@ import fastreplay
 from conformance.conftest import BUFFER_SIDES, DONE, TORCHRL_BUFFER, episodes, make_buffer
 from conftest import TORCHRL_EXT
 from fastreplay import _torchrl as compat
+from fastreplay._index_sync import IndexSync
 
 _P = inspect.Parameter
 SLICE_CLASSES = ("SliceSampler", "SliceSamplerWithoutReplacement")
@@ -256,8 +257,18 @@ def test_batch_time_is_bit_identical_to_torchrl(
 
 @BATCH_TIME
 @BUFFERS
-def test_batch_time_is_served_by_the_incremental_index(buffer_side: str) -> None:
+def test_batch_time_is_served_by_the_incremental_index(
+    buffer_side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``batch_time`` samples come from fastreplay's index: no rescan of the storage."""
+    rebuilds: list[int] = []
+    rebuild = IndexSync._rebuild
+
+    def counting(self: Any, *args: Any) -> None:
+        rebuilds.append(1)
+        rebuild(self, *args)
+
+    monkeypatch.setattr(IndexSync, "_rebuild", counting)
     storage = trl.LazyTensorStorage(100)
     sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj", output_layout="batch_time")
     rb = make_buffer(
@@ -270,6 +281,7 @@ def test_batch_time_is_served_by_the_incremental_index(buffer_side: str) -> None
     rb.extend(episodes(10, 5, first_id=50))
     rb.sample()
     assert sampler._fr_index is index  # updated in place, not rebuilt
+    assert not rebuilds  # every write was read incrementally, the direct one too
 
 
 # --------------------------------------------------------------------------- warnings
