@@ -291,10 +291,12 @@ def test_torch_trees_pickle_and_copy_independently() -> None:
 def test_sampler_on_deep_torch_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sampler's brute-force oracle (repeats, -1 markers, alpha changes) on deep trees."""
     import fastreplay._core.trees.torch_backend as segment_tree
+    from conformance.conftest import BUFFER_SIDES
     from conformance.test_tree_backends import test_brute_force_oracle
 
     monkeypatch.setattr(segment_tree, "_TOP", 2)
-    test_brute_force_oracle("torch", 1023)
+    for side in BUFFER_SIDES:
+        test_brute_force_oracle("torch", side, 1023)
 
 
 def test_torch_last_wins_positions() -> None:

@@ -3,7 +3,9 @@
 What differs between TorchRL versions has one name in ``fastreplay._torchrl``; these tests
 check each name against the installed TorchRL's own behaviour (so they hold on every version),
 and compare fastreplay's samplers with the installed TorchRL's where a version adds something:
-the nightly's ``output_layout="batch_time"`` and its short-flat-batch warning.
+the nightly's ``output_layout="batch_time"`` and its short-flat-batch warning. fastreplay's
+samplers run there in TorchRL's buffer and in fastreplay's (``buffer_side``); TorchRL's samplers,
+the reference, in TorchRL's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 import torchrl.data as trl
 
 import fastreplay
-from conformance.conftest import DONE, episodes
+from conformance.conftest import BUFFER_SIDES, DONE, TORCHRL_BUFFER, episodes, make_buffer
 from conftest import TORCHRL_EXT
 from fastreplay import _torchrl as compat
+from fastreplay._index_sync import IndexSync
 
 _P = inspect.Parameter
 SLICE_CLASSES = ("SliceSampler", "SliceSamplerWithoutReplacement")
@@ -155,13 +158,19 @@ def test_arguments_the_installed_torchrl_lacks_are_refused_as_torchrl_does() -> 
 
 
 # -------------------------------------------------------------------------- batch_time
-def _pair(name: str, storage_size: int, **kwargs: Any) -> list[tuple[Any, Any]]:
-    """The same buffer (TensorDictReplayBuffer) with TorchRL's sampler and fastreplay's."""
+BUFFERS = pytest.mark.parametrize("buffer_side", BUFFER_SIDES)
+
+
+def _pair(name: str, storage_size: int, side: str, **kwargs: Any) -> list[tuple[Any, Any]]:
+    """TorchRL's sampler in TorchRL's ``TensorDictReplayBuffer``, and fastreplay's in the
+    ``side`` buffer (TorchRL's ``TensorDictReplayBuffer`` or fastreplay's)."""
     out = []
-    for module in (trl, fastreplay):
+    for module, buffer in ((trl, TORCHRL_BUFFER), (fastreplay, side)):
         storage = trl.LazyTensorStorage(storage_size)
         sampler = getattr(module, name)(**kwargs)
-        rb = trl.TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=24)
+        rb = make_buffer(
+            buffer, "TensorDictReplayBuffer", storage=storage, sampler=sampler, batch_size=24
+        )
         out.append((rb, storage))
     return out
 
@@ -205,13 +214,16 @@ _SHORT = pytest.mark.filterwarnings(f"ignore:{compat.SHORT_FLAT_BATCH_MESSAGE}:U
     ids=["strict", "padded", "span", "custom-keys", "unnamed"],
 )
 @pytest.mark.parametrize("key", [{"traj_key": "traj"}, {"end_key": DONE}], ids=["ids", "done"])
-def test_batch_time_is_bit_identical_to_torchrl(name: str, config: dict, key: dict) -> None:
+@BUFFERS
+def test_batch_time_is_bit_identical_to_torchrl(
+    buffer_side: str, name: str, config: dict, key: dict
+) -> None:
     if "span" in config and name != "SliceSampler":
         pytest.skip(f"{name} takes no span")
     kwargs = {"num_slices": 4, "output_layout": "batch_time", **config, **key}
     data = episodes(70, [2, 9, 13, 3, 20])
     data["is_init"] = data["step"] == 0
-    (rb_t, st_t), (rb_f, st_f) = _pair(name, 60, **kwargs)
+    (rb_t, st_t), (rb_f, st_f) = _pair(name, 60, buffer_side, **kwargs)
     for rb in (rb_t, rb_f):
         rb.extend(data[:40])
         rb.extend(data[40:])  # wraps around the 60 slots
@@ -244,11 +256,24 @@ def test_batch_time_is_bit_identical_to_torchrl(name: str, config: dict, key: di
 
 
 @BATCH_TIME
-def test_batch_time_is_served_by_the_incremental_index() -> None:
+@BUFFERS
+def test_batch_time_is_served_by_the_incremental_index(
+    buffer_side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``batch_time`` samples come from fastreplay's index: no rescan of the storage."""
+    rebuilds: list[int] = []
+    rebuild = IndexSync._rebuild
+
+    def counting(self: Any, *args: Any) -> None:
+        rebuilds.append(1)
+        rebuild(self, *args)
+
+    monkeypatch.setattr(IndexSync, "_rebuild", counting)
     storage = trl.LazyTensorStorage(100)
     sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj", output_layout="batch_time")
-    rb = trl.TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
+    rb = make_buffer(
+        buffer_side, "TensorDictReplayBuffer", storage=storage, sampler=sampler, batch_size=8
+    )
     rb.extend(episodes(50, 10))
     rb.sample()
     index = sampler._fr_index
@@ -256,6 +281,7 @@ def test_batch_time_is_served_by_the_incremental_index() -> None:
     rb.extend(episodes(10, 5, first_id=50))
     rb.sample()
     assert sampler._fr_index is index  # updated in place, not rebuilt
+    assert not rebuilds  # every write was read incrementally, the direct one too
 
 
 # --------------------------------------------------------------------------- warnings
@@ -275,13 +301,14 @@ def _warnings_of(rb: Any, storage: Any, n: int) -> list[tuple[type, str, str]]:
     [{"strict_length": False}, {"span": (False, 3)}, {}],
     ids=["non-strict", "span", "strict"],
 )
-def test_warnings_are_torchrl_s(name: str, config: dict) -> None:
+@BUFFERS
+def test_warnings_are_torchrl_s(buffer_side: str, name: str, config: dict) -> None:
     """Same warnings (class, text, the line they point at) as the installed TorchRL."""
     if "span" in config and name != "SliceSampler":
         pytest.skip(f"{name} takes no span")
     kwargs = {"num_slices": 4, "traj_key": "traj", **config}
     found = []
-    for rb, storage in _pair(name, 60, **kwargs):  # TorchRL's, then fastreplay's
+    for rb, storage in _pair(name, 60, buffer_side, **kwargs):  # TorchRL's, then fastreplay's
         rb.extend(episodes(59, [2, 9, 13, 3, 20]))
         found.append(_warnings_of(rb, storage, 4))
     assert found[0] == found[1]
@@ -296,10 +323,11 @@ def test_warnings_are_torchrl_s(name: str, config: dict) -> None:
     not compat.WARNS_SHORT_FLAT_BATCH,
     reason=f"TorchRL {compat.TORCHRL_VERSION} does not warn on short flat batches",
 )
-def test_short_flat_batch_warning_can_be_filtered_by_message() -> None:
+@BUFFERS
+def test_short_flat_batch_warning_can_be_filtered_by_message(buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(40)
     sampler = fastreplay.SliceSampler(num_slices=4, traj_key="traj", strict_length=False)
-    rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=24)
+    rb = make_buffer(buffer_side, storage=storage, sampler=sampler, batch_size=24)
     rb.extend(episodes(39, [2, 9, 3]))
     with pytest.warns(UserWarning, match=compat.SHORT_FLAT_BATCH_MESSAGE):
         rb.sample()
@@ -318,11 +346,12 @@ def _same_boundaries(ours: Any, storage: Any) -> bool:
     return all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
-def test_writes_the_sampler_is_not_told_about() -> None:
+@BUFFERS
+def test_writes_the_sampler_is_not_told_about(buffer_side: str) -> None:
     """Seen through the storage's write counter (0.14+); on 0.13, after invalidate_boundaries."""
     storage = trl.LazyTensorStorage(40)
     sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj")
-    rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
+    rb = make_buffer(buffer_side, storage=storage, sampler=sampler, batch_size=8)
     rb.extend(episodes(30, 10))
     rb.sample()
     other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage

@@ -7,6 +7,11 @@ on the fastreplay side; where TorchRL's compiled extension is missing, the Torch
 prioritized tests skips with a reason. Deliberate differences are not tested here as equal:
 each one is listed in docs/migration.md with the test that pins it.
 
+Tests that put a sampler into a TorchRL buffer also take ``buffer_side``
+(``"torchrl-buffer"``, ``"fastreplay-buffer"``) and build the buffer with
+:func:`make_buffer`: the same behaviour then runs through fastreplay's buffer, whose direct
+path (``fastreplay.buffers.paths``) TorchRL's buffers never take.
+
 Data carries its own invariants: ``obs = traj_id * 10_000 + step`` so any slice that crosses a
 trajectory boundary, or any sampled row that was never written, is visible in the sample.
 """
@@ -26,6 +31,17 @@ from conftest import TORCHRL_EXT
 
 IMPLS = ("torchrl", "fastreplay")
 DONE = ("next", "done")
+
+
+TORCHRL_BUFFER, FASTREPLAY_BUFFER = "torchrl-buffer", "fastreplay-buffer"
+BUFFER_SIDES = (TORCHRL_BUFFER, FASTREPLAY_BUFFER)
+# fastreplay's counterpart of each TorchRL buffer class a test names: its buffers are
+# TensorDict buffers (samples carry an ``index`` entry, as TorchRL's TensorDict buffers' do).
+_FASTREPLAY_BUFFERS = {
+    "ReplayBuffer": "TensorDictReplayBuffer",
+    "TensorDictReplayBuffer": "TensorDictReplayBuffer",
+    "TensorDictPrioritizedReplayBuffer": "TensorDictPrioritizedReplayBuffer",
+}
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,34 @@ def per_impl(request: pytest.FixtureRequest) -> Impl:
     side = Impl(request.param)
     _skip_without_ext(side)
     return side
+
+
+@pytest.fixture(params=BUFFER_SIDES)
+def buffer_side(request: pytest.FixtureRequest) -> str:
+    """The buffer a test's sampler goes into: TorchRL's class, or fastreplay's counterpart."""
+    return request.param
+
+
+def make_buffer(side: str, torchrl_cls: str = "ReplayBuffer", **kwargs: Any) -> Any:
+    """TorchRL's buffer class ``torchrl_cls``, or with ``side="fastreplay-buffer"`` fastreplay's
+    TensorDict counterpart (``ReplayBuffer`` -> ``TensorDictReplayBuffer``), built from
+    ``kwargs``."""
+    if side == TORCHRL_BUFFER:
+        return getattr(trl, torchrl_cls)(**kwargs)
+    if side == FASTREPLAY_BUFFER:
+        return getattr(fastreplay, _FASTREPLAY_BUFFERS[torchrl_cls])(**kwargs)
+    raise ValueError(f"side must be one of {BUFFER_SIDES}, got {side!r}")
+
+
+def extend_in_two(rb: Any, data: Any) -> torch.Tensor:
+    """``rb.extend(data)`` as two writes of its halves: the same rows stored, the same cursor.
+
+    The first write to a lazy storage initialises it (TorchRL's path in either buffer);
+    fastreplay's buffer writes the second on its direct path, which tells the sampler of the
+    rows itself. Returns the written indices, as one ``extend`` would.
+    """
+    half = len(data) // 2
+    return torch.cat([rb.extend(data[:half]), rb.extend(data[half:])])
 
 
 def episodes(n: int, length: int | list[int], *, columns: int | None = None, first_id: int = 0):

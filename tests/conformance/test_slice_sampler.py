@@ -1,6 +1,8 @@
 """SliceSampler conformance: the same behavioural tests against TorchRL's class and fastreplay's.
 
-Each test builds its sampler (and, where it matters, its buffer) from ``impl``. Data comes from
+Each test builds its sampler (and, where it matters, its buffer) from ``impl``; a sampler that
+TorchRL's ``ReplayBuffer`` holds is also run in fastreplay's ``TensorDictReplayBuffer``
+(``buffer_side``). Data comes from
 ``episodes()``: ``obs = traj_id * 10_000 + step``, so a slice that crosses a trajectory
 boundary or the write cursor shows up in the sample. Where TorchRL itself is wrong (boundaries
 after a checkpoint is loaded into a fresh buffer), the test checks fastreplay's right answer
@@ -16,7 +18,17 @@ import torch
 import torchrl.data as trl
 from tensordict import TensorDict
 
-from conformance.conftest import DONE, Impl, assert_slices_valid, episodes
+from conformance.conftest import (
+    BUFFER_SIDES,
+    DONE,
+    FASTREPLAY_BUFFER,
+    TORCHRL_BUFFER,
+    Impl,
+    assert_slices_valid,
+    episodes,
+    extend_in_two,
+    make_buffer,
+)
 from conftest import requires_cuda, requires_slice_args, short_flat_batches, skip_unless_slice_args
 from fastreplay._torchrl import HAS_CAN_SAMPLE, TORCHRL_VERSION
 
@@ -24,9 +36,20 @@ TERMINATED = ("next", "terminated")
 TRUNCATED = ("next", "truncated")
 
 
-def _buffer(impl: Impl, storage: Any, *, buffer: str = "ReplayBuffer", **sampler: Any) -> Any:
-    cls = impl.cls(buffer) if buffer != "ReplayBuffer" else trl.ReplayBuffer
-    return cls(storage=storage, sampler=impl.cls("SliceSampler")(**sampler), batch_size=16)
+def _buffer(
+    impl: Impl,
+    storage: Any,
+    *,
+    buffer: str = "ReplayBuffer",
+    side: str = TORCHRL_BUFFER,
+    **sampler: Any,
+) -> Any:
+    """``impl``'s SliceSampler in ``impl``'s ``buffer`` class, or for ``ReplayBuffer`` in the
+    ``side`` buffer (TorchRL's ``ReplayBuffer`` or fastreplay's ``TensorDictReplayBuffer``)."""
+    kwargs = {"storage": storage, "sampler": impl.cls("SliceSampler")(**sampler), "batch_size": 16}
+    if buffer != "ReplayBuffer":
+        return impl.cls(buffer)(**kwargs)
+    return make_buffer(side, **kwargs)
 
 
 def _obs(storage: Any, index: tuple) -> torch.Tensor:
@@ -35,9 +58,9 @@ def _obs(storage: Any, index: tuple) -> torch.Tensor:
 
 # ------------------------------------------------------------------------ everyday contract
 @pytest.mark.parametrize("key", [{"end_key": DONE}, {"traj_key": "traj"}, {}])
-def test_index_format_info_keys_dtypes_and_shapes(impl: Impl, key: dict) -> None:
+def test_index_format_info_keys_dtypes_and_shapes(impl: Impl, buffer_side: str, key: dict) -> None:
     storage = trl.LazyTensorStorage(50)
-    rb = _buffer(impl, storage, num_slices=4, **key)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=4, **key)
     rb.extend(episodes(37, [9, 6]))
     rb.extend(episodes(30, 11, first_id=100))  # wraps around the 50 slots
     index, info = rb.sampler.sample(storage, 24)
@@ -60,12 +83,12 @@ def test_tensordict_buffer_sample_carries_metadata(impl: Impl) -> None:
     assert_slices_valid(batch["obs"], 4)
 
 
-def test_is_init_marks_each_slice_start(impl: Impl) -> None:
+def test_is_init_marks_each_slice_start(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(40)
-    rb = _buffer(impl, storage, num_slices=3, end_key=DONE)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=3, end_key=DONE)
     td = episodes(35, 10)
     td["is_init"] = td["step"] == 0
-    rb.extend(td)
+    extend_in_two(rb, td)
     index, info = rb.sampler.sample(storage, 12)
     is_init = info["is_init"].view(3, 4)
     assert is_init[:, 0].all()
@@ -74,10 +97,12 @@ def test_is_init_marks_each_slice_start(impl: Impl) -> None:
 
 @pytest.mark.parametrize("strict", [True, False])
 @short_flat_batches
-def test_short_trajectories(impl: Impl, strict: bool) -> None:
+def test_short_trajectories(impl: Impl, buffer_side: str, strict: bool) -> None:
     storage = trl.LazyTensorStorage(30)
-    rb = _buffer(impl, storage, num_slices=4, traj_key="traj", strict_length=strict)
-    rb.extend(episodes(29, [2, 9, 3]))
+    rb = _buffer(
+        impl, storage, side=buffer_side, num_slices=4, traj_key="traj", strict_length=strict
+    )
+    extend_in_two(rb, episodes(29, [2, 9, 3]))
     for _ in range(5):
         index, info = rb.sampler.sample(storage, 24)  # slices of 6: only the 9-step episodes fit
         obs = _obs(storage, index)
@@ -92,9 +117,9 @@ def test_short_trajectories(impl: Impl, strict: bool) -> None:
             assert (piece.diff() == 1).all() and 0 < piece.numel() <= 6
 
 
-def test_ndim2_storage_keeps_environments_apart(impl: Impl) -> None:
+def test_ndim2_storage_keeps_environments_apart(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(3 * 17, ndim=2)
-    rb = _buffer(impl, storage, num_slices=6, end_key=DONE)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=6, end_key=DONE)
     rb.extend(episodes(12, [5, 8], columns=3))
     rb.extend(episodes(9, [4, 7], columns=3, first_id=50))  # wraps along time
     index, _ = rb.sampler.sample(storage, 24)
@@ -104,9 +129,9 @@ def test_ndim2_storage_keeps_environments_apart(impl: Impl) -> None:
 
 
 @requires_slice_args("end_keys")
-def test_memmap_storage(impl: Impl, tmp_path) -> None:
+def test_memmap_storage(impl: Impl, buffer_side: str, tmp_path) -> None:
     storage = trl.LazyMemmapStorage(23, scratch_dir=tmp_path)
-    rb = _buffer(impl, storage, num_slices=2, end_keys=[DONE, TRUNCATED])
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=2, end_keys=[DONE, TRUNCATED])
     for i in range(4):
         td = episodes(9, [4, 3], first_id=10 * i)
         td[TRUNCATED] = torch.zeros(9, 1, dtype=torch.bool)
@@ -137,10 +162,10 @@ def _restore(rb: Any, fresh: Any, how: str, tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("how", ["state_dict", "dumps"])
-def test_checkpoint_round_trip(impl: Impl, how: str, tmp_path) -> None:
-    rb = _buffer(impl, trl.LazyTensorStorage(31), num_slices=2, end_key=DONE)
+def test_checkpoint_round_trip(impl: Impl, buffer_side: str, how: str, tmp_path) -> None:
+    rb = _buffer(impl, trl.LazyTensorStorage(31), side=buffer_side, num_slices=2, end_key=DONE)
     rb.extend(episodes(45, [7, 4]))  # the newest step ends an episode: no cursor question
-    fresh = _buffer(impl, trl.LazyTensorStorage(31), num_slices=2, end_key=DONE)
+    fresh = _buffer(impl, trl.LazyTensorStorage(31), side=buffer_side, num_slices=2, end_key=DONE)
     _restore(rb, fresh, how, tmp_path)
     expected = rb.sampler._get_stop_and_length(rb.storage)
     got = fresh.sampler._get_stop_and_length(fresh.storage)
@@ -151,18 +176,22 @@ def test_checkpoint_round_trip(impl: Impl, how: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("how", ["state_dict", "dumps"])
-def test_checkpoint_into_fresh_buffer_cursor_boundary(impl: Impl, how: str, tmp_path) -> None:
+def test_checkpoint_into_fresh_buffer_cursor_boundary(
+    impl: Impl, buffer_side: str, how: str, tmp_path
+) -> None:
     # The newest episode is still running at the write cursor (row 22 of 50). A checkpoint
     # does not carry the storage's last write position; fastreplay recovers it from the
     # restored writer, TorchRL treats the end of the storage as the newest step and joins the
     # running episode to the oldest one (deliberate difference, docs/migration.md).
     def buffer() -> Any:
-        return _buffer(impl, trl.LazyTensorStorage(50), num_slices=2, end_key=DONE)
+        return _buffer(
+            impl, trl.LazyTensorStorage(50), side=buffer_side, num_slices=2, end_key=DONE
+        )
 
     rb = buffer()
     td = episodes(73, [9, 13])
     td[DONE][-1] = False
-    rb.extend(td)
+    extend_in_two(rb, td)
     expected = trl.SliceSampler(num_slices=2, end_key=DONE)._get_stop_and_length(rb.storage)
     fresh = buffer()
     _restore(rb, fresh, how, tmp_path)
@@ -172,12 +201,14 @@ def test_checkpoint_into_fresh_buffer_cursor_boundary(impl: Impl, how: str, tmp_
 
 
 # ----------------------------------------------------------------------- drop-in behaviours
-def test_replacement_false_builds_the_without_replacement_sampler(impl: Impl) -> None:
+def test_replacement_false_builds_the_without_replacement_sampler(
+    impl: Impl, buffer_side: str
+) -> None:
     sampler = impl.cls("SliceSampler")(replacement=False, num_slices=4, end_key=DONE)
     assert isinstance(sampler, trl.SliceSamplerWithoutReplacement)
     assert isinstance(sampler, impl.cls("SliceSamplerWithoutReplacement"))
     storage = trl.LazyTensorStorage(40)
-    trl.ReplayBuffer(storage=storage, sampler=sampler).extend(episodes(40, 10))
+    extend_in_two(make_buffer(buffer_side, storage=storage, sampler=sampler), episodes(40, 10))
     index, _ = sampler.sample(storage, 16)
     assert_slices_valid(_obs(storage, index), 4)
     trajs = storage[index]["traj"].view(4, 4)[:, 0]
@@ -187,12 +218,14 @@ def test_replacement_false_builds_the_without_replacement_sampler(impl: Impl) ->
 
 
 @requires_slice_args("end_keys")
-def test_end_keys_none_in_storage_fall_back_to_traj_ids(impl: Impl) -> None:
+def test_end_keys_none_in_storage_fall_back_to_traj_ids(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(40)
-    rb = _buffer(impl, storage, num_slices=2, end_keys=[("next", "x"), ("next", "y")])
+    rb = _buffer(
+        impl, storage, side=buffer_side, num_slices=2, end_keys=[("next", "x"), ("next", "y")]
+    )
     td = episodes(33, [5, 8])
     td["episode"] = td["traj"]
-    rb.extend(td.exclude(DONE))
+    extend_in_two(rb, td.exclude(DONE))
     for _ in range(3):
         index, _ = rb.sampler.sample(storage, 8)
         assert_slices_valid(_obs(storage, index), 2)
@@ -220,10 +253,10 @@ def _signal_case(case: str, td: TensorDict) -> tuple[dict, TensorDict]:
     "case",
     ["int64 done", "uint8 done", "[N] done", "[N, 1, 1] done", "float ids", "int32 ids"],
 )
-def test_signal_dtypes_and_shapes_that_sample(impl: Impl, case: str) -> None:
+def test_signal_dtypes_and_shapes_that_sample(impl: Impl, buffer_side: str, case: str) -> None:
     key, td = _signal_case(case, episodes(41, [6, 11, 4]))
     storage = trl.LazyTensorStorage(47)
-    rb = _buffer(impl, storage, num_slices=3, **key)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=3, **key)
     rb.extend(td)
     rb.extend(_signal_case(case, episodes(9, 4, first_id=70))[1])  # wraps around
     for _ in range(3):
@@ -231,9 +264,9 @@ def test_signal_dtypes_and_shapes_that_sample(impl: Impl, case: str) -> None:
         assert_slices_valid(_obs(storage, index), 3)
 
 
-def test_lazy_stack_storage(impl: Impl) -> None:
+def test_lazy_stack_storage(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyStackStorage(30)
-    rb = _buffer(impl, storage, num_slices=2, end_key=DONE)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=2, end_key=DONE)
     rb.extend(episodes(26, [5, 7]))
     index, _ = rb.sampler.sample(storage, 8)
     assert_slices_valid(storage[index[0]]["obs"], 2)
@@ -265,25 +298,36 @@ def _bad(case: str) -> tuple[Any, dict, Any, type]:
     raise AssertionError(case)
 
 
+BAD_CASES = (
+    "missing end_key",
+    "missing traj_key and end_key",
+    "no end_keys nor ids",
+    "[N, 2] done",
+    "[N, 1] ids",
+    "float done",
+    "ListStorage of tensors",
+    "empty storage",
+)
+TENSOR_DATA = "ListStorage of tensors"  # data fastreplay's TensorDict buffers do not take
+
+
 @pytest.mark.parametrize(
-    "case",
+    ("buffer_side", "case"),
     [
-        "missing end_key",
-        "missing traj_key and end_key",
-        "no end_keys nor ids",
-        "[N, 2] done",
-        "[N, 1] ids",
-        "float done",
-        "ListStorage of tensors",
-        "empty storage",
+        (side, case)
+        for side in BUFFER_SIDES
+        for case in BAD_CASES
+        if not (side == FASTREPLAY_BUFFER and case == TENSOR_DATA)
     ],
 )
-def test_bad_storages_raise_torchrls_error_class_and_change_nothing(impl: Impl, case: str) -> None:
+def test_bad_storages_raise_torchrls_error_class_and_change_nothing(
+    impl: Impl, buffer_side: str, case: str
+) -> None:
     storage, kwargs, data, error = _bad(case)
     skip_unless_slice_args(kwargs)
-    rb = _buffer(impl, storage, num_slices=2, **kwargs)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=2, **kwargs)
     if data is not None:
-        rb.extend(data)
+        extend_in_two(rb, data)
     before = [storage[i] for i in range(len(storage))]
     with pytest.raises(error):
         rb.sampler.sample(storage, 4)
@@ -296,10 +340,12 @@ def test_bad_storages_raise_torchrls_error_class_and_change_nothing(impl: Impl, 
 
 
 @pytest.mark.parametrize("batch_size,strict", [(9, True), (40, True)])
-def test_bad_requests_raise_runtime_error(impl: Impl, batch_size: int, strict: bool) -> None:
+def test_bad_requests_raise_runtime_error(
+    impl: Impl, buffer_side: str, batch_size: int, strict: bool
+) -> None:
     storage = trl.LazyTensorStorage(30)
-    rb = _buffer(impl, storage, num_slices=2, end_key=DONE, strict_length=strict)
-    rb.extend(episodes(25, 5))
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=2, end_key=DONE, strict_length=strict)
+    extend_in_two(rb, episodes(25, 5))
     with pytest.raises(RuntimeError):
         rb.sampler.sample(storage, batch_size)
     index, _ = rb.sampler.sample(storage, 8)  # still samples afterwards
@@ -320,9 +366,9 @@ def test_include_info_false_keeps_stored_keys(impl: Impl) -> None:
 
 
 @requires_cuda
-def test_cuda_storage(impl: Impl) -> None:
+def test_cuda_storage(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(3 * 29, ndim=2, device="cuda")
-    rb = _buffer(impl, storage, num_slices=4, end_key=DONE)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=4, end_key=DONE)
     rb.extend(episodes(20, [6, 9], columns=3))
     rb.extend(episodes(15, [4, 7], columns=3, first_id=40))
     index, _ = rb.sampler.sample(storage, 16)
@@ -335,11 +381,11 @@ def test_cuda_storage(impl: Impl) -> None:
 @pytest.mark.skipif(
     not HAS_CAN_SAMPLE, reason=f"TorchRL {TORCHRL_VERSION}'s samplers have no can_sample"
 )
-def test_can_sample(impl: Impl) -> None:
+def test_can_sample(impl: Impl, buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(30)
-    rb = _buffer(impl, storage, num_slices=2, end_key=DONE)
+    rb = _buffer(impl, storage, side=buffer_side, num_slices=2, end_key=DONE)
     assert not rb.sampler.can_sample(storage, 8)  # empty
-    rb.extend(episodes(20, [3, 6]))
+    extend_in_two(rb, episodes(20, [3, 6]))
     assert rb.sampler.can_sample(storage, 8)  # slices of 4 fit in the 6-step episodes
     assert not rb.sampler.can_sample(storage, 20)  # slices of 10 fit nowhere
     missing = impl.cls("SliceSampler")(num_slices=2, end_key=("next", "x"))

@@ -3,7 +3,8 @@
 Slice starts of the prioritized sampler are checked by chi-square against a brute-force
 reference: every stored item is a valid start if a slice from it stays inside its trajectory
 (TorchRL's rule, including ``strict_length=False`` and a right ``span``), and valid starts are
-drawn proportionally to ``(p + eps) ** alpha``.
+drawn proportionally to ``(p + eps) ** alpha``. Each sampler is run in TorchRL's ``ReplayBuffer``
+and in fastreplay's ``TensorDictReplayBuffer`` (``buffer_side``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ import math
 
 import pytest
 import torch
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
-from conformance.conftest import DONE, Impl, assert_slices_valid, episodes
+from conformance.conftest import (
+    DONE,
+    Impl,
+    assert_slices_valid,
+    episodes,
+    extend_in_two,
+    make_buffer,
+)
 from conftest import short_flat_batches
 from fastreplay._torchrl import last_cursor_row
 
@@ -69,18 +77,20 @@ def slice_starts(index: tuple, info: dict, columns: int) -> tuple[torch.Tensor, 
     return slot, ends - begins + 1
 
 
-def _per_buffer(per_impl: Impl, capacity: int, storage=None, **kw):
+def _per_buffer(per_impl: Impl, side: str, capacity: int, storage=None, **kw):
     sampler = per_impl.cls("PrioritizedSliceSampler")(capacity, ALPHA, BETA, **kw)
     storage = storage if storage is not None else LazyTensorStorage(capacity)
-    return ReplayBuffer(storage=storage, sampler=sampler, batch_size=12), sampler, storage
+    return make_buffer(side, storage=storage, sampler=sampler, batch_size=12), sampler, storage
 
 
 @pytest.mark.parametrize(
     "strict,span", [(True, False), (False, False), (True, (False, True)), (False, (False, 2))]
 )
-def test_prioritized_starts_follow_priorities_among_valid_starts(per_impl, strict, span) -> None:
+def test_prioritized_starts_follow_priorities_among_valid_starts(
+    per_impl, buffer_side, strict, span
+) -> None:
     rb, sampler, storage = _per_buffer(
-        per_impl, 53, slice_len=4, traj_key="traj", strict_length=strict, span=span
+        per_impl, buffer_side, 53, slice_len=4, traj_key="traj", strict_length=strict, span=span
     )
     gen = torch.Generator().manual_seed(1)
     raw = {}
@@ -103,9 +113,9 @@ def test_prioritized_starts_follow_priorities_among_valid_starts(per_impl, stric
     assert chi2_pvalue(observed, expected) > 1e-4
 
 
-def test_prioritized_weights_are_start_mass_over_min_mass(per_impl) -> None:
-    rb, sampler, storage = _per_buffer(per_impl, 41, slice_len=3, traj_key="traj")
-    index = rb.extend(episodes(41, [6, 9, 5]))
+def test_prioritized_weights_are_start_mass_over_min_mass(per_impl, buffer_side) -> None:
+    rb, sampler, storage = _per_buffer(per_impl, buffer_side, 41, slice_len=3, traj_key="traj")
+    index = extend_in_two(rb, episodes(41, [6, 9, 5]))
     priority = torch.linspace(0.5, 3.0, 41)
     rb.update_priority(index, priority)
     index, info = sampler.sample(storage, 3 * 50)
@@ -116,11 +126,13 @@ def test_prioritized_weights_are_start_mass_over_min_mass(per_impl) -> None:
     torch.testing.assert_close(info["priority_weight"].double(), weight, rtol=1e-5, atol=0)
 
 
-def test_prioritized_zero_priority_trajectory_is_almost_never_started(per_impl) -> None:
+def test_prioritized_zero_priority_trajectory_is_almost_never_started(
+    per_impl, buffer_side
+) -> None:
     # mass eps ** alpha ~ 4e-7 against 1: odd trajectories are (almost surely) never drawn
-    rb, sampler, storage = _per_buffer(per_impl, 61, slice_len=4, traj_key="traj")
+    rb, sampler, storage = _per_buffer(per_impl, buffer_side, 61, slice_len=4, traj_key="traj")
     data = episodes(60, 10)
-    index = rb.extend(data)
+    index = extend_in_two(rb, data)
     rb.update_priority(index, (data["traj"] % 2 == 0).float() + 0.0)
     index, _ = sampler.sample(storage, 4 * 200)
     traj = storage[index]["traj"]
@@ -129,9 +141,11 @@ def test_prioritized_zero_priority_trajectory_is_almost_never_started(per_impl) 
 
 
 @pytest.mark.parametrize("end", ["done", "traj"])
-def test_prioritized_slices_stay_in_stored_rows_and_trajectories(per_impl, end) -> None:
+def test_prioritized_slices_stay_in_stored_rows_and_trajectories(
+    per_impl, buffer_side, end
+) -> None:
     key = {"end_key": DONE} if end == "done" else {"traj_key": "traj"}
-    rb, sampler, storage = _per_buffer(per_impl, 1023, slice_len=5, **key)
+    rb, sampler, storage = _per_buffer(per_impl, buffer_side, 1023, slice_len=5, **key)
     first = 0
     for n in (40, 333, 17, 700, 250):  # partly filled, then wrapping around
         data = episodes(n, [13, 50, 7], first_id=first)
@@ -144,9 +158,11 @@ def test_prioritized_slices_stay_in_stored_rows_and_trajectories(per_impl, end) 
         assert info["priority_weight"].shape == (5 * 64,)
 
 
-def test_prioritized_memmap_storage(per_impl, tmp_path) -> None:
+def test_prioritized_memmap_storage(per_impl, buffer_side, tmp_path) -> None:
     storage = LazyMemmapStorage(97, scratch_dir=tmp_path)
-    rb, sampler, storage = _per_buffer(per_impl, 97, storage, slice_len=4, end_key=DONE)
+    rb, sampler, storage = _per_buffer(
+        per_impl, buffer_side, 97, storage, slice_len=4, end_key=DONE
+    )
     for first in (0, 100, 200):
         index = rb.extend(episodes(45, [9, 12], first_id=first))
         rb.update_priority(index, torch.rand(45) + 0.1)
@@ -165,19 +181,21 @@ def lazy(request: pytest.FixtureRequest, impl: Impl) -> bool:
 
 
 def _wor_buffer(
-    impl: Impl, capacity: int, columns: int | None = None, batch=None, lazy=False, **kw
+    impl: Impl, side: str, capacity: int, columns: int | None = None, batch=None, lazy=False, **kw
 ):
     sampler = impl.cls("SliceSamplerWithoutReplacement")(**kw)
     if lazy:
         sampler._fr_lazy_above = 0
     storage = LazyTensorStorage(capacity * (columns or 1), ndim=1 if columns is None else 2)
-    return ReplayBuffer(storage=storage, sampler=sampler, batch_size=batch), sampler, storage
+    return make_buffer(side, storage=storage, sampler=sampler, batch_size=batch), sampler, storage
 
 
 @pytest.mark.parametrize("columns", [None, 3])
 @short_flat_batches
-def test_wor_epoch_visits_every_trajectory_once(impl, lazy, columns) -> None:
-    rb, sampler, storage = _wor_buffer(impl, 50, columns, lazy=lazy, num_slices=4, traj_key="traj")
+def test_wor_epoch_visits_every_trajectory_once(impl, buffer_side, lazy, columns) -> None:
+    rb, sampler, storage = _wor_buffer(
+        impl, buffer_side, 50, columns, lazy=lazy, num_slices=4, traj_key="traj"
+    )
     rb.extend(episodes(50, [5, 8, 6], columns=columns))
     n_traj = int((sampler._get_stop_and_length(storage)[2] >= 3).sum())  # strict_length
     seen = []
@@ -193,11 +211,18 @@ def test_wor_epoch_visits_every_trajectory_once(impl, lazy, columns) -> None:
 
 @pytest.mark.parametrize("drop_last", [False, True])
 @short_flat_batches
-def test_wor_drop_last_and_exhaustion(impl, lazy, drop_last) -> None:
+def test_wor_drop_last_and_exhaustion(impl, buffer_side, lazy, drop_last) -> None:
     rb, sampler, storage = _wor_buffer(
-        impl, 7 * 10, batch=6, lazy=lazy, num_slices=3, traj_key="traj", drop_last=drop_last
+        impl,
+        buffer_side,
+        7 * 10,
+        batch=6,
+        lazy=lazy,
+        num_slices=3,
+        traj_key="traj",
+        drop_last=drop_last,
     )
-    rb.extend(episodes(70, 7))  # ten trajectories, three per batch
+    extend_in_two(rb, episodes(70, 7))  # ten trajectories, three per batch
     sizes = []
     for _ in range(4):
         index, _ = sampler.sample(storage, 3 * 2)
@@ -208,9 +233,9 @@ def test_wor_drop_last_and_exhaustion(impl, lazy, drop_last) -> None:
     assert sampler.ran_out
 
 
-def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl, lazy) -> None:
+def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl, buffer_side, lazy) -> None:
     rb, sampler, storage = _wor_buffer(
-        impl, 101, lazy=lazy, num_slices=2, traj_key="traj", shuffle=False
+        impl, buffer_side, 101, lazy=lazy, num_slices=2, traj_key="traj", shuffle=False
     )
     rb.extend(episodes(40, 10))
     first, _ = sampler.sample(storage, 2 * 4)
@@ -221,21 +246,23 @@ def test_wor_new_trajectories_mid_epoch_start_a_new_epoch(impl, lazy) -> None:
 
 
 @short_flat_batches
-def test_wor_short_trajectories_are_skipped_with_strict_length(impl, lazy) -> None:
-    rb, sampler, storage = _wor_buffer(impl, 63, lazy=lazy, num_slices=4, traj_key="traj")
-    rb.extend(episodes(60, [2, 9, 3, 12]))
+def test_wor_short_trajectories_are_skipped_with_strict_length(impl, buffer_side, lazy) -> None:
+    rb, sampler, storage = _wor_buffer(
+        impl, buffer_side, 63, lazy=lazy, num_slices=4, traj_key="traj"
+    )
+    extend_in_two(rb, episodes(60, [2, 9, 3, 12]))
     index, _ = sampler.sample(storage, 4 * 5)
     obs = storage[index]["obs"]
     assert_slices_valid(obs, obs.numel() // 5)
     assert obs.numel() // 5 <= 4
 
 
-def test_wor_memmap_storage_wraps_around(impl, lazy, tmp_path) -> None:
+def test_wor_memmap_storage_wraps_around(impl, buffer_side, lazy, tmp_path) -> None:
     sampler = impl.cls("SliceSamplerWithoutReplacement")(slice_len=3, end_key=DONE)
     if lazy:
         sampler._fr_lazy_above = 0
     storage = LazyMemmapStorage(37, scratch_dir=tmp_path)
-    rb = ReplayBuffer(storage=storage, sampler=sampler)
+    rb = make_buffer(buffer_side, storage=storage, sampler=sampler)
     for first in (0, 100, 200):
         rb.extend(episodes(25, [4, 7], first_id=first))
     index, _ = sampler.sample(storage, 3 * 4)

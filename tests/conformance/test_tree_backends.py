@@ -2,7 +2,9 @@
 
 The ``backend`` fixture runs each test on the pure-torch trees and, where numba is installed,
 on the compiled ones (skipped with a reason otherwise). Where TorchRL's compiled extension
-loads, the sampler is also checked against TorchRL's own sampler fed the same calls.
+loads, the sampler is also checked against TorchRL's own sampler fed the same calls. The tests
+that put the sampler into a buffer run it in TorchRL's ``TensorDictReplayBuffer`` and in
+fastreplay's (``buffer_side``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import pytest
 import torch
 import torchrl.data as trl
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.data import LazyTensorStorage
 
 import fastreplay._core.trees.numba_backend as numba_trees
+from conformance.conftest import TORCHRL_BUFFER, extend_in_two, make_buffer
 from conftest import requires_cuda, requires_numba, requires_torchrl_ext
 from fastreplay import PrioritizedSampler
 from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees
@@ -29,10 +32,14 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def _buffer(sampler: PrioritizedSampler, capacity: int) -> TensorDictReplayBuffer:
-    return TensorDictReplayBuffer(
-        storage=LazyTensorStorage(capacity), sampler=sampler, priority_key="td_error"
-    )
+def _buffer(sampler: PrioritizedSampler, capacity: int, side: str) -> trl.TensorDictReplayBuffer:
+    """``sampler`` in the ``side`` buffer: TorchRL's ``TensorDictReplayBuffer`` or fastreplay's."""
+    storage = LazyTensorStorage(capacity)
+    return _td_buffer(side, storage=storage, sampler=sampler, priority_key="td_error")
+
+
+def _td_buffer(side: str, **kwargs) -> trl.TensorDictReplayBuffer:
+    return make_buffer(side, "TensorDictReplayBuffer", **kwargs)
 
 
 def _rows(start: int, n: int, priority: torch.Tensor | None = None) -> TensorDict:
@@ -43,12 +50,12 @@ def _rows(start: int, n: int, priority: torch.Tensor | None = None) -> TensorDic
 
 
 @pytest.mark.parametrize("capacity", [7, 50, 1023])
-def test_brute_force_oracle(backend: str, capacity: int) -> None:
+def test_brute_force_oracle(backend: str, buffer_side: str, capacity: int) -> None:
     """Random extends (wrap-around), updates with repeats and -1 markers, alpha changes."""
     gen = torch.Generator().manual_seed(capacity)
     sampler = PrioritizedSampler(capacity, 0.6, 0.4, eps=1e-3, backend=backend)
     assert sampler.backend == backend
-    rb = _buffer(sampler, capacity)
+    rb = _buffer(sampler, capacity, buffer_side)
     raw = torch.full((capacity,), -math.inf, dtype=torch.float64)
     written = 0
     for step in range(30):
@@ -142,13 +149,13 @@ def test_a_default_priority_just_below_the_dtype_limit_is_written(backend, dtype
 
 @requires_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_backends_sample_identically(dtype: torch.dtype) -> None:
+def test_backends_sample_identically(buffer_side: str, dtype: torch.dtype) -> None:
     """Same calls and seed on both backends: same indices, same weights (exact masses)."""
     samplers = [
         PrioritizedSampler(1023, 1.0, 1.0, eps=0.0, dtype=dtype, backend=b)
         for b in ("torch", "numba")
     ]
-    buffers = [_buffer(s, 1023) for s in samplers]
+    buffers = [_buffer(s, 1023, buffer_side) for s in samplers]
     gen = torch.Generator().manual_seed(3)
     for rb in buffers:
         rb.extend(_rows(0, 1500, torch.randint(1, 50, (1500,), generator=gen).float()))
@@ -169,10 +176,10 @@ def test_backends_sample_identically(dtype: torch.dtype) -> None:
     assert torch.equal(samplers[0]._trees.raw(), samplers[1]._trees.raw())
 
 
-def test_bad_input_rejected_atomically(backend: str) -> None:
+def test_bad_input_rejected_atomically(backend: str, buffer_side: str) -> None:
     sampler = PrioritizedSampler(50, 1.0, 0.5, backend=backend)
-    rb = _buffer(sampler, 50)
-    rb.extend(_rows(0, 20, torch.rand(20) + 0.1))
+    rb = _buffer(sampler, 50, buffer_side)
+    extend_in_two(rb, _rows(0, 20, torch.rand(20) + 0.1))
     before = [level.clone() for level in sampler._trees.levels]
     cases = [
         (torch.tensor([1, 2]), torch.tensor([1.0, math.nan]), ValueError, r"index 2: nan"),
@@ -270,14 +277,14 @@ def test_backend_keyword_and_repr(backend: str, monkeypatch: pytest.MonkeyPatch)
         PrioritizedSampler(7, 0.5, 0.5, backend="numba")
 
 
-def test_checkpoints_cross_backends(backend: str, tmp_path) -> None:
+def test_checkpoints_cross_backends(backend: str, buffer_side: str, tmp_path) -> None:
     """A state saved on one backend loads on the other, leaves and roots intact."""
     other = "torch" if backend == "numba" else "numba"
     if other == "numba" and not numba_trees.NUMBA_AVAILABLE:
         other = "torch"
     source = PrioritizedSampler(50, 0.7, 0.5, backend=backend)
-    rb = _buffer(source, 50)
-    rb.extend(_rows(0, 60, torch.rand(60) + 0.1))
+    rb = _buffer(source, 50, buffer_side)
+    extend_in_two(rb, _rows(0, 60, torch.rand(60) + 0.1))
     target = PrioritizedSampler(50, 0.7, 0.5, backend=other)
     target.load_state_dict(source.state_dict())
     assert torch.equal(target._trees.raw(), source._trees.raw())
@@ -290,15 +297,17 @@ def test_checkpoints_cross_backends(backend: str, tmp_path) -> None:
 
 
 @requires_torchrl_ext
-def test_same_calls_as_torchrl(backend: str) -> None:
-    """TorchRL's sampler fed the same calls (all-time max, its default): same masses, weights."""
+def test_same_calls_as_torchrl(backend: str, buffer_side: str) -> None:
+    """TorchRL's sampler fed the same calls (all-time max, its default): same masses, weights.
+
+    TorchRL's sampler, the reference, stays in TorchRL's buffer."""
     ours = PrioritizedSampler(1023, 0.7, 0.5, max_priority_within_buffer=False, backend=backend)
     theirs = trl.PrioritizedSampler(1023, 0.7, 0.5)
     gen = torch.Generator().manual_seed(5)
-    rbs = [_buffer(s, 1023) for s in (ours, theirs)]
+    rbs = [_buffer(ours, 1023, buffer_side), _buffer(theirs, 1023, TORCHRL_BUFFER)]
     data = _rows(0, 1100, torch.rand(1100, generator=gen) + 0.05)
     for rb in rbs:
-        rb.extend(data.clone())
+        extend_in_two(rb, data.clone())
         rb.extend(_rows(1100, 16))
     index = torch.randint(1023, (300,), generator=gen)
     priority = torch.rand(300, generator=gen)
@@ -313,17 +322,20 @@ def test_same_calls_as_torchrl(backend: str) -> None:
 
 
 @requires_cuda
-def test_cuda_storage_switches_auto_backend_to_torch() -> None:
+def test_cuda_storage_switches_auto_backend_to_torch(buffer_side: str) -> None:
     sampler = PrioritizedSampler(30, 0.7, 0.5)
-    rb = TensorDictReplayBuffer(
-        storage=LazyTensorStorage(30, device="cuda"), sampler=sampler, priority_key="td_error"
+    rb = _td_buffer(
+        buffer_side,
+        storage=LazyTensorStorage(30, device="cuda"),
+        sampler=sampler,
+        priority_key="td_error",
     )
     rb.extend(_rows(0, 10, torch.rand(10) + 0.1).to("cuda"))
     assert sampler.backend == "torch" and sampler.device.type == "cuda"
     assert sampler.default_priority == sampler._trees.raw()[:10].max().item()
 
 
-def test_updates_of_only_minus_one_markers_change_nothing(backend: str) -> None:
+def test_updates_of_only_minus_one_markers_change_nothing(backend: str, buffer_side: str) -> None:
     """TorchRL's ``MaxValueWriter`` marks rejected rows ``-1``: a write of only those is a no-op."""
     sampler = PrioritizedSampler(8, 0.6, 0.4, backend=backend)
     sampler.update_priority(torch.tensor([0, 1]), torch.tensor([1.0, 2.0]))
@@ -331,7 +343,8 @@ def test_updates_of_only_minus_one_markers_change_nothing(backend: str) -> None:
     sampler.update_priority(torch.tensor([-1, -1]), torch.tensor([3.0, 4.0]))
     sampler.mark_update(torch.tensor([-1]))
     assert torch.equal(sampler._trees.raw(), before)
-    rb = TensorDictReplayBuffer(
+    rb = _td_buffer(
+        buffer_side,
         storage=LazyTensorStorage(4),
         sampler=PrioritizedSampler(4, 0.6, 0.4, backend=backend),
         writer=trl.TensorDictMaxValueWriter(rank_key="r"),
@@ -384,13 +397,13 @@ def _assert_masses_and_weights(sampler: PrioritizedSampler, rb, raw: torch.Tenso
 
 
 @pytest.mark.parametrize(("alpha", "beta"), [(torch.tensor(1.0), torch.tensor(0.1)), (0.6, 0.7)])
-def test_torchrl_parameter_schedulers(backend: str, alpha, beta) -> None:
+def test_torchrl_parameter_schedulers(backend: str, buffer_side: str, alpha, beta) -> None:
     """TorchRL's LinearScheduler/StepScheduler set ``alpha``/``beta`` to tensors (or NumPy
     floats): sampling and writing keep working, with the scheduled values, read back as set."""
     from torchrl.data.replay_buffers.scheduler import LinearScheduler, SchedulerList, StepScheduler
 
     sampler = PrioritizedSampler(100, alpha, beta, backend=backend)
-    rb = _buffer(sampler, 100)
+    rb = _buffer(sampler, 100, buffer_side)
     gen = torch.Generator().manual_seed(3)
     raw = torch.rand(60, generator=gen) + 0.1
     rb.extend(_rows(0, 60, raw))
@@ -414,7 +427,9 @@ def test_torchrl_parameter_schedulers(backend: str, alpha, beta) -> None:
     assert isinstance(sampler.alpha, kind) and isinstance(sampler.beta, kind)
 
 
-def test_scalars_of_every_kind_at_construction_and_in_updates(backend: str) -> None:
+def test_scalars_of_every_kind_at_construction_and_in_updates(
+    backend: str, buffer_side: str
+) -> None:
     """0-dim tensors, NumPy scalars and ints wherever a number goes: construction, setters,
     priorities; the trees get plain floats and ``alpha``/``beta`` read back as given."""
     sampler = PrioritizedSampler(
@@ -428,7 +443,7 @@ def test_scalars_of_every_kind_at_construction_and_in_updates(backend: str) -> N
     )
     assert isinstance(sampler.alpha, torch.Tensor) and isinstance(sampler.beta, np.float32)
     assert sampler.default_priority == 2.0 and sampler.upper_priority == 50.0
-    rb = _buffer(sampler, 10)
+    rb = _buffer(sampler, 10, buffer_side)
     rb.extend(_rows(0, 6))
     sampler.update_priority(1, np.float32(3.0))
     sampler.update_priority(torch.tensor([2, 3]), np.float64(4.0))
@@ -459,13 +474,13 @@ def test_scalars_of_every_kind_at_construction_and_in_updates(backend: str) -> N
     [((20,), [[1, 2], [3, 0]]), ((20, 3), [[1], [2]]), ((20, 3), [[1, 2, 0]])],
 )
 def test_coordinates_not_matching_the_storage_ndim_are_refused(
-    backend: str, shape: tuple[int, ...], index: list[list[int]]
+    backend: str, buffer_side: str, shape: tuple[int, ...], index: list[list[int]]
 ) -> None:
     """A ``[k, c]`` index with ``c != storage.ndim`` raveled with a truncated shape would write
     other slots: it raises ValueError (as TorchRL) naming the index, its shape and the fix."""
     sampler = PrioritizedSampler(60, 1.0, 0.5, backend=backend)
     storage = LazyTensorStorage(math.prod(shape), ndim=len(shape))
-    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler)
+    rb = _td_buffer(buffer_side, storage=storage, sampler=sampler)
     envs_by_steps = shape[::-1]  # an ndim=2 storage is [steps, envs]
     rb.extend(TensorDict({"obs": torch.zeros(envs_by_steps)}, list(envs_by_steps)))
     assert tuple(rb.storage.shape) == shape
