@@ -368,10 +368,13 @@ def test_writes_the_sampler_is_not_told_about() -> None:
     storage = trl.LazyTensorStorage(40)
     sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj")
     rb = trl.ReplayBuffer(storage=storage, sampler=sampler, batch_size=8)
-    rb.extend(episodes(30, 10))
+    rb.extend(episodes(40, 10))  # full: the writer is back at row 0
     rb.sample()
     other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage
     other.extend(episodes(10, 1, first_id=500))  # rows 0-9: ten one-step trajectories
+    # A write the sampler is told about, after it (rows 0-4; without one, the version counter
+    # of the ids shows the other write on every version).
+    rb.extend(episodes(5, 5, first_id=600))
     assert _same_boundaries(sampler, storage) == compat.STORAGE_HAS_REVISION
     sampler.invalidate_boundaries()
     assert _same_boundaries(sampler, storage)

@@ -28,6 +28,7 @@ from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 
 from fastreplay import _pinning
+from fastreplay._failed_writes import FailedWriteMixin
 from fastreplay._fast_path import FastPathMixin
 from fastreplay._sharing import SharedBufferChecks
 from fastreplay._signature import ConstructorSignature
@@ -334,7 +335,12 @@ def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
 
 
 class TensorDictReplayBuffer(
-    HugePageStorageMixin, _PinnedSampleMixin, FastPathMixin, SharedBufferChecks, _TorchRLBuffer
+    FailedWriteMixin,
+    HugePageStorageMixin,
+    _PinnedSampleMixin,
+    FastPathMixin,
+    SharedBufferChecks,
+    _TorchRLBuffer,
 ):
     """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
 
@@ -392,6 +398,7 @@ class TensorDictReplayBuffer(
 
 
 class TensorDictPrioritizedReplayBuffer(
+    FailedWriteMixin,
     HugePageStorageMixin,
     _PinnedSampleMixin,
     FastPathMixin,
