@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -108,6 +108,17 @@ def check_mass(
     )
 
 
+_COMPILED_POW_MIN = 1 << 14
+"""Elements from which :func:`c_pow` uses numba's compiled loop, where numba is installed."""
+
+
+def _compiled_pow() -> Any:
+    """The compiled ``pow`` loop, or ``None`` without numba (imported at first use)."""
+    from fastreplay._numba_kernels import NUMBA_AVAILABLE, _pow_each
+
+    return _pow_each if NUMBA_AVAILABLE else None
+
+
 def _c_pow_one(x: float, y: float) -> float:
     """``pow(x, y)`` of the C library for one value, special cases included (no exception)."""
     with np.errstate(all="ignore"):
@@ -120,12 +131,21 @@ def c_pow(base: torch.Tensor, exponent: float) -> torch.Tensor:
     The numba backend's compiled ``**`` calls the C library's ``pow``. On the CPU, ``torch.pow``
     computes most elements with SLEEF's vectorized ``pow`` instead (within one ulp; about 2% of
     float64 results differ from the C library's in the last bit), so float64 masses and weights
-    are computed here, on Python floats (``math.pow`` is the C ``pow``), for both backends to
-    hold the same bits: about 0.15 us per element (40 us for 256) where ``torch.pow`` takes
-    6 us. On other devices: ``torch.pow``.
+    are computed here for both backends to hold the same bits: on Python floats (``math.pow``
+    is the C ``pow``; about 0.15 us per element, 40 us for 256 where ``torch.pow`` takes 6 us),
+    or, from :data:`_COMPILED_POW_MIN` elements on (bulk writes, ``alpha`` changes) and where
+    numba is installed, by a compiled loop (a few ns per element). On other devices:
+    ``torch.pow``.
     """
     if base.device.type != "cpu":
         return torch.pow(base, exponent)
+    if base.numel() >= _COMPILED_POW_MIN:
+        compiled = _compiled_pow()
+        if compiled is not None:
+            flat = base.reshape(-1).contiguous().numpy()
+            out = np.empty_like(flat)
+            compiled(flat, float(exponent), out)
+            return torch.from_numpy(out).reshape(base.shape)
     values = base.reshape(-1).tolist()
     try:
         out = list(map(math.pow, values, itertools.repeat(exponent, len(values))))

@@ -177,11 +177,18 @@ def test_backends_sample_identically(dtype: torch.dtype) -> None:
 @requires_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
-    ("alpha", "beta", "eps"),
-    [(0.6, 0.4, 1e-8), (0.7, 0.5, 1e-3), (1.3, 0.9, 1e-6), (0.35, 1.0, 0.0), (1.0, 0.6, 0.01)],
+    ("alpha", "beta", "eps", "capacity"),
+    [
+        (0.6, 0.4, 1e-8, 1000),
+        (0.7, 0.5, 1e-3, 1000),
+        (1.3, 0.9, 1e-6, 1000),
+        (0.35, 1.0, 0.0, 1000),
+        (1.0, 0.6, 0.01, 1000),
+        (0.6, 0.4, 1e-6, 20_000),  # bulk writes and the alpha change: the compiled pow loop
+    ],
 )
 def test_backends_are_bit_identical_at_any_alpha_and_beta(
-    dtype: torch.dtype, alpha: float, beta: float, eps: float
+    dtype: torch.dtype, alpha: float, beta: float, eps: float, capacity: int
 ) -> None:
     """Random priorities over six decades, updates, an alpha change, new items: both backends
     hold the same leaf masses and return the same indices and weights, to the last bit.
@@ -191,7 +198,6 @@ def test_backends_are_bit_identical_at_any_alpha_and_beta(
     ``2 * (capacity - 1)`` float64 units of the total; a draw lands on another leaf only
     within that distance of a leaf boundary (about one draw in 10**13).
     """
-    capacity = 1000
     samplers = [
         PrioritizedSampler(capacity, alpha, beta, eps=eps, dtype=dtype, backend=b)
         for b in ("torch", "numba")
