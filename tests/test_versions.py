@@ -339,6 +339,51 @@ def test_short_flat_batch_warning_can_be_filtered_by_message(buffer_side: str) -
         rb.sample()
 
 
+def _left_span_warnings(cls: type, span: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The warnings ``cls(..., span=span)`` emits: (category, text, filename, lineno)."""
+    with monkeypatch.context() as patch:
+        if not TORCHRL_EXT and cls is trl.PrioritizedSliceSampler:
+            # TorchRL's trees need its extension, built before the warning: skipped here.
+            patch.setattr(compat.TorchRLPrioritizedSampler, "__init__", lambda *a, **k: None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sampler = cls(10, 1.0, 1.0, num_slices=2, span=span)
+    assert not sampler.span[0]
+    return [(w.category, str(w.message), w.filename, w.lineno) for w in caught]
+
+
+@pytest.mark.parametrize("span", [True, 2, (True, 3)], ids=["true", "int", "tuple"])
+def test_left_span_warning_is_torchrl_s(span: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same text, category, file and line as the installed TorchRL's ``PrioritizedSliceSampler``."""
+    theirs = _left_span_warnings(trl.PrioritizedSliceSampler, span, monkeypatch)
+    ours = _left_span_warnings(fastreplay.PrioritizedSliceSampler, span, monkeypatch)
+    assert len(theirs) == 1 and ours == theirs
+    category, text, filename, _ = ours[0]
+    assert category is UserWarning and text.startswith(compat.LEFT_SPAN_MESSAGE)
+    assert filename == trl.PrioritizedSliceSampler.__init__.__code__.co_filename
+
+
+@pytest.mark.parametrize(
+    "module",
+    # where TorchRL's __init__ is defined (its class is re-exported from another module)
+    [trl.PrioritizedSliceSampler.__init__.__module__.replace(".", r"\.") + "$", "torchrl"],
+    ids=["exact", "package"],
+)
+def test_left_span_warning_filter_written_for_torchrl_applies(module: str) -> None:
+    """A ``filterwarnings(message=..., module=...)`` silencing TorchRL's warning silences ours."""
+    text = "Left spanning is disabled for PrioritizedSliceSampler and will be automatically"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=text, category=UserWarning, module=module)
+        sampler = fastreplay.PrioritizedSliceSampler(10, 1.0, 1.0, num_slices=2, span=True)
+    assert sampler.span == (0, True)
+    with warnings.catch_warnings():  # a filter for another module does not apply
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=text, module="fastreplay")
+        with pytest.raises(UserWarning, match=text):
+            fastreplay.PrioritizedSliceSampler(10, 1.0, 1.0, num_slices=2, span=True)
+
+
 # ------------------------------------------------------------------- storage revision
 def _same_boundaries(ours: Any, storage: Any) -> bool:
     expected = trl.SliceSampler(num_slices=2, traj_key="traj")._get_stop_and_length(storage)
@@ -352,10 +397,13 @@ def test_writes_the_sampler_is_not_told_about(buffer_side: str) -> None:
     storage = trl.LazyTensorStorage(40)
     sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj")
     rb = make_buffer(buffer_side, storage=storage, sampler=sampler, batch_size=8)
-    rb.extend(episodes(30, 10))
+    rb.extend(episodes(40, 10))  # full: the writer is back at row 0
     rb.sample()
     other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage
     other.extend(episodes(10, 1, first_id=500))  # rows 0-9: ten one-step trajectories
+    # A write the sampler is told about, after it (rows 0-4; without one, the version counter
+    # of the ids shows the other write on every version).
+    rb.extend(episodes(5, 5, first_id=600))
     assert _same_boundaries(sampler, storage) == compat.STORAGE_HAS_REVISION
     sampler.invalidate_boundaries()
     assert _same_boundaries(sampler, storage)

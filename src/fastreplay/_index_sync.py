@@ -8,6 +8,17 @@ the sampler was not told about (the storage's mutation revision moved, another p
 a checkpoint was loaded, a boundary key changed), the index is rebuilt from the whole storage
 once (``O(items stored)``). Storages of ``ndim > 1`` are indexed per column; :meth:`coords`
 turns a column back into its coordinates.
+
+A write that raises part way (a shape mismatch on a later key of ``rb[idx] = td`` or
+``storage.set``) leaves the rows of the keys before it written, but the storage's mutation
+revision unchanged (TorchRL bumps it after the write) and the sampler untold. Such writes, and
+in-place edits of the signal through a view, still move the version counter torch keeps for
+every tensor written in place: :meth:`IndexSync.sync` compares the counters of the signal
+tensors with those of the last sync (``O(signal keys)``) and rebuilds when they moved while no
+write was reported. A write reported in between moves them too, so the two cannot be told
+apart then: fastreplay's buffers also have their sampler rebuild when a write raises
+(:func:`fastreplay.buffers.paths.written_in_part`); elsewhere, ``invalidate_boundaries()``
+is the remedy.
 """
 
 from __future__ import annotations
@@ -49,6 +60,12 @@ class IndexSync:
     and ``dirty`` (rebuild from the storage at the next :meth:`sync`).
     """
 
+    # The signal tensors at the last sync (weak references) and their version counters;
+    # ``None``: not watched (inference tensors keep no counter). Class defaults: a sync pickled
+    # by an earlier version has neither.
+    _signal: tuple[weakref.ref, ...] = ()
+    _versions: tuple[int, ...] | None = None
+
     def __init__(self) -> None:
         self.index: TrajectoryIndex | None = None
         self.spec: tuple | None = None
@@ -63,6 +80,7 @@ class IndexSync:
         """A copy rebuilds from its storage: the index and the storage are not carried."""
         state = self.__dict__.copy()
         state.update(index=None, spec=None, pending=[], dirty=True, _storage=None)
+        state.update(_signal=(), _versions=None)
         return state
 
     def detached(self) -> IndexSync:
@@ -145,6 +163,8 @@ class IndexSync:
         """
         index = self.index
         same_storage = self._storage is not None and self._storage() is storage
+        if same_storage and not self._pending_writes and self._signal_written():
+            self.dirty = True  # written in place, not reported (a failed write, a view edit)
         if (
             index is not None
             and same_storage
@@ -185,8 +205,33 @@ class IndexSync:
             raise
         self.index, self.spec, self._revision = index, spec, revision
         self._storage = weakref.ref(storage)
+        self._watch(storage._storage, keys)
         self.pending, self._pending_writes, self.dirty = [], 0, False
         return index
+
+    def _watch(self, data: Any, keys: tuple) -> None:
+        """Remember the signal tensors and their version counters. O(signal keys)."""
+        leaves = [data.get(key) for key in keys]
+        if all(isinstance(leaf, torch.Tensor) and not leaf.is_inference() for leaf in leaves):
+            self._signal = tuple(weakref.ref(leaf) for leaf in leaves)
+            self._versions = tuple(leaf._version for leaf in leaves)
+        else:
+            self._signal, self._versions = (), None
+
+    def _signal_written(self) -> bool:
+        """Whether a signal tensor was written in place since the last sync. O(signal keys).
+
+        ``False`` where nothing is watched, or a watched tensor is gone (the storage then
+        replaced its tensors: a write that moves the mutation revision).
+        """
+        versions = self._versions
+        if versions is None:
+            return False
+        for ref, version in zip(self._signal, versions, strict=True):
+            leaf = ref()
+            if leaf is not None and leaf._version != version:
+                return True
+        return False
 
     @staticmethod
     def attach(storage: Any) -> None:

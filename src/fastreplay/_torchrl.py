@@ -66,6 +66,11 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   or short trajectories dropped without replacement); 0.13 and 0.14 do not warn.
   :class:`SliceSamplerBase` gives the nightly's ``_warn_if_short_batch`` to every version (a
   no-op where TorchRL has none), and fastreplay's fast paths call it where TorchRL does.
+* **The left-span warning** (:func:`warn_left_span_disabled`): ``PrioritizedSliceSampler(span=
+  True)`` turns left spanning off and warns, from TorchRL's own module (``samplers`` on 0.13,
+  ``samplers.prioritized_slice`` on 0.14 and the nightly). fastreplay's sampler runs that
+  ``warnings.warn`` statement, read from the installed ``__init__``, so the text, category,
+  file, line, module and once-registry are the installed TorchRL's.
 * **Sampler attributes**: the nightly's ``Sampler.requires_shared_state`` (``False`` for
   ``SliceSampler``, ``True`` for the without-replacement and prioritized ones) is inherited
   as it is.
@@ -111,7 +116,14 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import sys
+import textwrap
+import types
+import warnings
+from collections.abc import Callable
 from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
@@ -189,6 +201,7 @@ __all__ = [
     "mutation_revision",
     "pads_short_slices",
     "ray_runtime_lease",
+    "warn_left_span_disabled",
 ]
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -389,6 +402,77 @@ def pads_short_slices(sampler: Any) -> bool:
     ``pad_output=True`` on every version, and ``output_layout="batch_time"`` on the nightly.
     """
     return bool(getattr(sampler, "pad_output", False)) or is_batch_time(sampler)
+
+
+LEFT_SPAN_MESSAGE = "Left spanning is disabled for "
+"""The start of ``PrioritizedSliceSampler``'s warning when ``span`` asks for a left span."""
+
+
+@functools.cache
+def _left_span_warning() -> Callable[[Any], None]:
+    """TorchRL's ``warnings.warn`` statement for a left span, as a function of ``self``.
+
+    The statement is read from the installed ``PrioritizedSliceSampler.__init__`` and compiled
+    with its file name and line numbers, to run in the globals of TorchRL's module: the warning
+    it emits is TorchRL's (text, category, ``filename``/``lineno``, ``module`` for
+    ``filterwarnings``, and the ``__warningregistry__`` of ``"default"``/``"once"`` filters).
+    Where the source cannot be read, the same text is emitted with the same attribution through
+    ``warnings.warn_explicit``, pointing at the first line of ``__init__``.
+    """
+    init = TorchRLPrioritizedSliceSampler.__init__
+    module = sys.modules[init.__module__]
+    try:
+        lines, first = inspect.getsourcelines(init)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    statement = next(
+        (
+            node
+            for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
+            if isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func).endswith("warn")
+            and LEFT_SPAN_MESSAGE in ast.unparse(node.value)
+        ),
+        None,
+    )
+    if statement is None:
+
+        def fallback(self: Any) -> None:
+            warnings.warn_explicit(
+                f"{LEFT_SPAN_MESSAGE}{type(self).__name__} and will be automatically turned "
+                "off. If this feature is required, please file an issue on torchrl GitHub repo.",
+                UserWarning,
+                init.__code__.co_filename,
+                init.__code__.co_firstlineno,
+                module=init.__module__,
+                registry=module.__dict__.setdefault("__warningregistry__", {}),
+                module_globals=module.__dict__,
+            )
+
+        return fallback
+    function = ast.parse("def _warn_left_span_disabled(self):\n    pass\n")
+    ast.increment_lineno(function, statement.lineno - 1)  # the def line, before the statement
+    definition = function.body[0]
+    assert isinstance(definition, ast.FunctionDef)
+    definition.body = [statement]
+    ast.increment_lineno(function, first - 1)
+    code = compile(function, init.__code__.co_filename, "exec")
+    body = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return types.FunctionType(body, module.__dict__)
+
+
+def warn_left_span_disabled(sampler: Any) -> None:
+    """Emit TorchRL's "Left spanning is disabled" warning for ``sampler``, as TorchRL does.
+
+    ``PrioritizedSliceSampler.__init__`` warns so when ``span`` asks for a left span, from
+    its own module (``torchrl.data.replay_buffers.samplers`` on 0.13,
+    ``...samplers.prioritized_slice`` on 0.14 and the nightly), with the sampler's class name
+    in the text. This runs the installed version's statement (see :func:`_left_span_warning`),
+    so ``filterwarnings(message=..., module=...)`` written for TorchRL's warning applies.
+    """
+    _left_span_warning()(sampler)
 
 
 class _SliceHooks:

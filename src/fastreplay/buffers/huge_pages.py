@@ -2,7 +2,8 @@
 
 A ``LazyTensorStorage`` allocates its tensors (``torch.empty``, nothing written yet) in the
 first write. Every sample then gathers a few hundred scattered rows from them, and with 4 KiB
-pages most of those reads also miss the TLB. :class:`HugePageStorageMixin` advises
+pages most of those reads also miss the TLB. The buffers' writes
+(:class:`~fastreplay.buffers.paths.PathChoice`) advise
 ``MADV_HUGEPAGE`` (see :mod:`fastreplay._core.memory`) for those tensors right after that first
 write, so the rows written from then on sit on 2 MiB pages where Linux offers them. Values,
 shapes, dtypes and the storage's state are untouched; elsewhere nothing happens.
@@ -23,10 +24,10 @@ from torch.utils._pytree import tree_leaves
 from fastreplay._core.memory import MIN_BYTES, advise_huge_pages
 from fastreplay._torchrl import LazyTensorStorage
 
-__all__ = ["HugePageStorageMixin"]
+__all__ = ["advise_storage", "after_first_write", "before_first_write"]
 
 
-def _before_first_write(buffer: Any) -> bool:
+def before_first_write(buffer: Any) -> bool:
     """Whether the buffer's next write may create its storage's tensors. O(1).
 
     True for a ``LazyTensorStorage`` not yet initialised, and for a buffer whose storage is
@@ -38,7 +39,7 @@ def _before_first_write(buffer: Any) -> bool:
     return type(storage) is LazyTensorStorage and not storage.__dict__.get("initialized", False)
 
 
-def _after_first_write(buffer: Any) -> None:
+def after_first_write(buffer: Any) -> None:
     """Advise huge pages for the storage's tensors if that write created them. O(leaves)."""
     storage = buffer.__dict__.get("_storage")
     if type(storage) is LazyTensorStorage and storage.__dict__.get("initialized", False):
@@ -66,26 +67,3 @@ def advise_storage(storage: Any) -> int:
             seen.add(address)
             advised += advise_huge_pages(address, nbytes)
     return advised
-
-
-class HugePageStorageMixin:
-    """After the write that creates a lazy storage's tensors, advise huge pages for them.
-
-    Placed first in a TorchRL buffer's bases. O(1) per write, plus O(leaves) once.
-    """
-
-    def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        """TorchRL's ``extend``; the first one also advises huge pages for the new tensors."""
-        first = _before_first_write(self)
-        index = super().extend(data, *args, **kwargs)  # type: ignore[misc]
-        if first:
-            _after_first_write(self)
-        return index
-
-    def add(self, data: Any) -> Any:
-        """TorchRL's ``add``; the first one also advises huge pages for the new tensors."""
-        first = _before_first_write(self)
-        index = super().add(data)  # type: ignore[misc]
-        if first:
-            _after_first_write(self)
-        return index

@@ -54,6 +54,7 @@ from fastreplay._torchrl import (
     _collate_id,
     _storage_index,
 )
+from fastreplay.buffers import huge_pages
 from fastreplay.buffers import rows as _rows
 from fastreplay.buffers.samples import write_info
 
@@ -102,15 +103,30 @@ def _run_length(sampler: Any, batch_size: int) -> int | None:
     return length if isinstance(length, int) else None
 
 
+def written_in_part(buffer: Any) -> None:
+    """After a write of ``buffer`` raised: its sampler rereads the storage at the next sample.
+
+    ``rb.extend(td)``, ``rb.add(td)`` and ``rb[idx] = td`` write a TensorDict key by key; one
+    that fails on a later key has written the keys before it, and TorchRL counts a write on its
+    storage (``_mutation_revision``) only after the data, so the sampler would not know. O(1);
+    the sampler's rebuild costs one ``O(items stored)`` read of the boundary keys. The storage's
+    write count is left as TorchRL leaves it.
+    """
+    invalidate = getattr(buffer.__dict__.get("_sampler"), "invalidate_boundaries", None)
+    if invalidate is not None:
+        invalidate()
+
+
 class PathChoice:
     """The one place that chooses, per call, between the direct path and TorchRL's path.
 
-    First in the bases of fastreplay's buffers: ``extend``, ``sample`` and
-    ``update_priority`` try the direct path (:meth:`_fr_plain` holds every condition, the
-    other parts' included: not shared, not pinned, no ``device``) and otherwise call
-    ``super()``, which runs the rest of the bases (huge pages, pinned samples, shared-buffer
-    checks) and TorchRL's buffer. ``_fr_fast = False`` on an instance switches the direct
-    path off (tests use it to compare both paths).
+    First in the bases of fastreplay's buffers: ``extend``, ``sample``, ``update_priority``
+    and ``update_tensordict_priority`` try the direct path (:meth:`_fr_plain` holds every
+    condition, the other parts' included: not shared, not pinned, no ``device``) and
+    otherwise call ``super()``, which runs the rest of the bases (pinned samples, shared-buffer
+    checks) and TorchRL's buffer. Writes on either path also get what every write gets
+    (huge pages after the first, a reread after a failed one). ``_fr_fast = False`` on an
+    instance switches the direct path off (tests use it to compare both paths).
     """
 
     _fr_fast = True
@@ -158,14 +174,48 @@ class PathChoice:
             return None
         return storage
 
-    # ------------------------------------------------------------------ extend
+    # ------------------------------------------------------------------ writes
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        """Extend as TorchRL does; the common set-up writes the rows directly."""
-        if not args and len(kwargs) <= ("update_priority" in kwargs):
-            index = self._fr_fast_extend(data, kwargs.get("update_priority"))
-            if index is not None:
-                return index
-        return super().extend(data, *args, **kwargs)  # type: ignore[misc]
+        """Extend as TorchRL does; the common set-up writes the rows directly.
+
+        On TorchRL's path, the write that creates a lazy storage's tensors also advises huge
+        pages for them (:mod:`fastreplay.buffers.huge_pages`). A write that raises part way
+        (a later key of the wrong shape) makes the sampler read the storage again
+        (:func:`written_in_part`).
+        """
+        try:
+            if not args and len(kwargs) <= ("update_priority" in kwargs):
+                index = self._fr_fast_extend(data, kwargs.get("update_priority"))
+                if index is not None:
+                    return index
+            first = huge_pages.before_first_write(self)
+            index = super().extend(data, *args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            written_in_part(self)
+            raise
+        if first:
+            huge_pages.after_first_write(self)
+        return index
+
+    def add(self, data: Any) -> Any:
+        """Add as TorchRL does (its path), with :meth:`extend`'s huge pages and failed writes."""
+        try:
+            first = huge_pages.before_first_write(self)
+            index = super().add(data)  # type: ignore[misc]
+        except BaseException:
+            written_in_part(self)
+            raise
+        if first:
+            huge_pages.after_first_write(self)
+        return index
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``rb[index] = value`` as TorchRL does; if it raises, the sampler rereads the storage."""
+        try:
+            super().__setitem__(index, value)  # type: ignore[misc]
+        except BaseException:
+            written_in_part(self)
+            raise
 
     def _fr_fast_extend(self, data: Any, update_priority: bool | None) -> torch.Tensor | None:
         """TorchRL's ``TensorDictReplayBuffer.extend`` in one pass, or ``None`` (not taken).

@@ -5,8 +5,6 @@ Each class is TorchRL's buffer with fastreplay's parts in its bases, outermost f
 * :class:`~fastreplay.buffers.paths.PathChoice` decides, for every ``extend``, ``sample`` and
   ``update_priority``, between the direct path and TorchRL's general path (the one place that
   decides);
-* :class:`~fastreplay.buffers.huge_pages.HugePageStorageMixin` advises huge pages after the
-  write that creates a lazy storage's tensors;
 * :class:`~fastreplay.buffers.samples.PinnedSamples` writes the metadata, pins and moves
   samples on the general path;
 * :class:`~fastreplay.buffers.sharing.SharedBufferChecks` makes shared buffers safe with
@@ -21,7 +19,6 @@ from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import RandomSampler
 from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
 from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
-from fastreplay.buffers.huge_pages import HugePageStorageMixin
 from fastreplay.buffers.paths import PathChoice
 from fastreplay.buffers.samples import PinnedSamples
 from fastreplay.buffers.sharing import SharedBufferChecks
@@ -29,9 +26,7 @@ from fastreplay.buffers.sharing import SharedBufferChecks
 __all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
 
 
-class TensorDictReplayBuffer(
-    PathChoice, HugePageStorageMixin, PinnedSamples, SharedBufferChecks, _TorchRLBuffer
-):
+class TensorDictReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, _TorchRLBuffer):
     """TorchRL's ``TensorDictReplayBuffer`` whose samples are pinned in full.
 
     Same arguments and behaviour as :class:`torchrl.data.TensorDictReplayBuffer`, plus:
@@ -89,7 +84,6 @@ class TensorDictReplayBuffer(
 
 class TensorDictPrioritizedReplayBuffer(
     PathChoice,
-    HugePageStorageMixin,
     PinnedSamples,
     SharedBufferChecks,
     _TorchRLPrioritizedBuffer,

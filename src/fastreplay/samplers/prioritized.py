@@ -75,10 +75,12 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
     * The trees need no compiled TorchRL extension. Two backends: numba's compiled loops on
       the CPU (the default when numba is installed) and pure torch (CPU or CUDA, the
-      default without numba or for CUDA storages); ``backend`` picks one. Fed the same calls,
-      both hold bit-for-bit the same priorities and draw the same indices with the same
-      weights. Both are batched: ``update_priority`` costs O(k log capacity), ``sample``
-      O(batch log capacity).
+      default without numba or for CUDA storages); ``backend`` picks one. Fed the same calls
+      on the CPU, both hold bit-for-bit the same priorities and masses and return the same
+      weights for the same items; they draw the same indices, except where float64 totals
+      summed in another order move a draw across a boundary between two items (within about
+      ``2 * capacity`` float64 units, one draw in 10**13). Both are batched:
+      ``update_priority`` costs O(k log capacity), ``sample`` O(batch log capacity).
     * Bad input is rejected atomically: NaN, infinite or negative priorities, mismatched shapes
       (also coordinates whose count is not ``storage.ndim``) and indices outside the stored
       range raise :class:`ValueError` (a :class:`PriorityShapeError`, also a

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from fastreplay._torchrl import (
     TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
     storage_len,
+    warn_left_span_disabled,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
@@ -150,12 +150,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
             initial_priority=initial_priority,
         )
         if self.span[0]:
-            warnings.warn(
-                f"Left spanning is disabled for {type(self).__name__} and will be turned off "
-                "(slice starts are drawn by priority, so they cannot precede a trajectory); "
-                "pass span=(False, right) to silence this warning.",
-                stacklevel=2,
-            )
+            warn_left_span_disabled(self)  # TorchRL's warning, from TorchRL's module
             self.span = (0, self.span[1])
         self.num_slices = _check_count("num_slices", self.num_slices)
         self.slice_len = _check_count("slice_len", self.slice_len)

@@ -266,9 +266,14 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         """Rebuild the trajectory boundaries from the storage at the next ``sample``.
 
         Call it after editing stored done flags or trajectory ids in place through a view
-        (``rb["next", "done"][i] = True``, ``storage[:][key][i] = ...``): such edits bypass
-        the storage's write path, so the index cannot see them. Writes through the replay
-        buffer or the storage (``extend``, ``add``, ``rb[idx] = ...``) need no call.
+        (``rb["next", "done"][i] = True``, ``storage[:][key][i] = ...``), or after a write
+        straight to the storage (``storage.set``, ``storage[idx] = ...``) or through
+        TorchRL's buffer that raised part way, when a write the sampler is told about
+        (``extend``, ``add``) came after it: such edits bypass the storage's write count.
+        Without such a later write, the next ``sample`` sees them (the version counters of
+        the flag or id tensors moved). Writes through the replay buffer or the storage
+        (``extend``, ``add``, ``rb[idx] = ...``), and writes through fastreplay's buffers
+        that raise part way, need no call.
         The rebuild costs one ``O(items stored)`` read of the boundary keys.
         """
         self._fr_sync.invalidate()

@@ -3,10 +3,15 @@
 Two backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
 (:class:`fastreplay._core.trees.torch_backend.PriorityTrees`: pure torch, any device, always
 available) and ``"numba"`` (:class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`:
-compiled loops on the CPU, when numba is installed). Fed the same calls, both hold bit-for-bit the
-same leaves and draw the same samples with the same weights
-(``tests/conformance/test_tree_backends.py``), so the samplers call the interface and never ask
-which backend runs.
+compiled loops on the CPU, when numba is installed). Fed the same calls on the CPU, both hold
+bit-for-bit the same leaves (raw priorities and masses, whose ``pow`` is the C library's on
+both: :func:`fastreplay._core.trees.ops.c_pow`) and return the same weights for the same leaves.
+Their inner nodes sum the children in different orders (each vectorizes its own way), so with
+float64 masses the totals may differ by the rounding of a sum, at most ``2 * (slots - 1)``
+float64 units of the total, and a draw within that distance of a boundary between two leaves
+(about one in 10**13) may land on the neighbouring leaf; float32 masses usually sum exactly in
+float64, in any order (``tests/conformance/test_tree_backends.py``). The samplers call the
+interface and never ask which backend runs.
 
 Example:
     >>> from fastreplay._core.trees.interface import available_backends, make_trees

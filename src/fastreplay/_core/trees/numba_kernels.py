@@ -121,6 +121,13 @@ _CLEARED = np.array([[0.0], [_INF], [_INF]])
 
 
 @_jit
+def _pow_each(base, exponent, out):  # pragma: no cover - compiled
+    """``out[i] = base[i] ** exponent``: the C library's ``pow``, as in the kernels below."""
+    for i in range(base.size):
+        out[i] = base[i] ** exponent
+
+
+@_jit
 def _set_leaves(tree, offsets, sizes, b, mass, raw):  # pragma: no cover - compiled
     for j in range(mass.size):
         r = raw[j]

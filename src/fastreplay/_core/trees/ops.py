@@ -25,9 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "FLOAT32_LIMIT",
     "PriorityOverflowError",
     "TorchTreeOps",
+    "c_pow",
     "check_mass",
     "mass_bound",
     "mass_of",
@@ -96,11 +98,64 @@ def check_mass(
     )
 
 
+_COMPILED_POW_MIN = 1 << 14
+"""Elements from which :func:`c_pow` uses numba's compiled loop, where numba is installed."""
+
+
+def _compiled_pow() -> Any:
+    """The compiled ``pow`` loop, or ``None`` without numba (imported at first use)."""
+    from fastreplay._core.trees.numba_kernels import NUMBA_AVAILABLE, _pow_each
+
+    return _pow_each if NUMBA_AVAILABLE else None
+
+
+def _c_pow_one(x: float, y: float) -> float:
+    """``pow(x, y)`` of the C library for one value, special cases included (no exception)."""
+    with np.errstate(all="ignore"):
+        return float(np.float64(x) ** np.float64(y))  # numpy's scalar power: the C ``pow``
+
+
+def c_pow(base: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``base ** exponent`` for a float64 ``base``, by the C library's ``pow``. O(k).
+
+    The numba backend's compiled ``**`` calls the C library's ``pow``. On the CPU, ``torch.pow``
+    computes most elements with SLEEF's vectorized ``pow`` instead (within one ulp; about 2% of
+    float64 results differ from the C library's in the last bit), so float64 masses and weights
+    are computed here for both backends to hold the same bits: on Python floats (``math.pow``
+    is the C ``pow``; about 0.15 us per element, 40 us for 256 where ``torch.pow`` takes 6 us),
+    or, from :data:`_COMPILED_POW_MIN` elements on (bulk writes, ``alpha`` changes) and where
+    numba is installed, by a compiled loop (a few ns per element). On other devices:
+    ``torch.pow``.
+    """
+    if base.device.type != "cpu":
+        return torch.pow(base, exponent)
+    if base.numel() >= _COMPILED_POW_MIN:
+        compiled = _compiled_pow()
+        if compiled is not None:
+            flat = base.reshape(-1).contiguous().numpy()
+            out = np.empty_like(flat)
+            compiled(flat, float(exponent), out)
+            return torch.from_numpy(out).reshape(base.shape)
+    values = base.reshape(-1).tolist()
+    try:
+        out = list(map(math.pow, values, itertools.repeat(exponent, len(values))))
+    except (OverflowError, ValueError):  # inf, nan where Python raises: C's results
+        out = [_c_pow_one(x, exponent) for x in values]
+    return torch.from_numpy(np.array(out, dtype=np.float64)).reshape(base.shape)
+
+
 def mass_of(raw: torch.Tensor, eps: float, alpha: float, f32: bool) -> torch.Tensor:
-    """Sampling mass ``(raw + eps) ** alpha`` in float64, rounded to float32 if ``f32``. O(k)."""
+    """Sampling mass ``(raw + eps) ** alpha`` in float64, rounded to float32 if ``f32``. O(k).
+
+    float64 masses come from the C library's ``pow`` (:func:`c_pow`), as the numba backend's;
+    float32 ones round ``torch.pow``'s float64 result, which can differ from that in the last
+    float64 bit only, and so round alike except within one float64 ulp of a float32 rounding
+    midpoint (about one value in 10**10).
+    """
     raw = raw if raw.dtype == torch.float64 else raw.to(torch.float64)
-    mass = torch.pow(raw + eps, alpha)
-    return mass.to(torch.float32) if f32 else mass
+    if not f32:
+        return c_pow(raw + eps, alpha)
+    return torch.pow(raw + eps, alpha).to(torch.float32)
 
 
 def _show(index: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, limit: int = 5) -> str:
@@ -287,5 +342,6 @@ class TorchTreeOps:
                 below = self.leaf_mass()[:limit]
                 last = int(below.nonzero()[-1])
                 index, mass = torch.where(over, last, index), torch.where(over, below[last], mass)
-        weight = torch.pow(mass / m_min, -beta)
-        return index, weight.to(torch.float32) if f32 else weight
+        if f32:  # rounded to float32: see mass_of
+            return index, torch.pow(mass / m_min, -beta).to(torch.float32)
+        return index, c_pow(mass / m_min, -beta)
