@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torchrl.data as trl
@@ -60,6 +61,7 @@ def _assert_sees_the_new_rows(rb: Any, storage: Any, new_ids: set[int]) -> None:
     drawn: set[int] = set()
     for seed in range(40):
         torch.manual_seed(seed)
+        np.random.seed(seed)  # the prioritized sampler draws from NumPy's RNG, as TorchRL's
         batch = rb.sample()
         assert_slices_valid(batch["obs"], batch.numel() // SLICE_LEN)  # (an epoch may end)
         drawn |= set(batch["traj"].reshape(-1).tolist())
