@@ -131,7 +131,7 @@ def record_storage_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     Patches ``IndexSync._read`` (every slice sampler reads its storage through it) to
     append the row count of every read to the returned list.
     """
-    from fastreplay._index_sync import IndexSync
+    from fastreplay.samplers._index_sync import IndexSync
 
     reads: list[int] = []
     original = IndexSync._read

@@ -29,8 +29,8 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
 from conftest import requires_storage_revision, shutdown
-from fastreplay._index_sync import IndexSync
 from fastreplay._torchrl import STORAGE_HAS_REVISION, last_cursor_row
+from fastreplay.samplers._index_sync import IndexSync
 
 if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - Linux has it
     pytest.skip("needs the 'fork' start method (Linux)", allow_module_level=True)

@@ -28,13 +28,13 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, Rand
 
 import fastreplay
 from conftest import TORCHRL_EXT, requires_storage_revision, short_flat_batches
-from fastreplay._index_sync import IndexSync
 from fastreplay._torchrl import (
     STORAGE_HAS_REVISION,
     TORCHRL_VERSION,
     last_cursor_row,
     mutation_revision,
 )
+from fastreplay.samplers._index_sync import IndexSync
 
 CAPACITY = 101  # odd, and smaller than what each test writes: the cursor wraps
 EPISODE = 9

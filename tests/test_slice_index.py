@@ -27,8 +27,8 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 import fastreplay
 from conftest import short_flat_batches, skip_unless_slice_args
 from fastreplay._core.slice_index import slice_index
-from fastreplay._index_sync import IndexSync
 from fastreplay._torchrl import SliceSamplerBase
+from fastreplay.samplers._index_sync import IndexSync
 
 DONE, TERMINATED = ("next", "done"), ("next", "terminated")
 

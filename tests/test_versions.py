@@ -22,7 +22,7 @@ import fastreplay
 from conformance.conftest import BUFFER_SIDES, DONE, TORCHRL_BUFFER, episodes, make_buffer
 from conftest import TORCHRL_EXT
 from fastreplay import _torchrl as compat
-from fastreplay._index_sync import IndexSync
+from fastreplay.samplers._index_sync import IndexSync
 
 _P = inspect.Parameter
 SLICE_CLASSES = ("SliceSampler", "SliceSamplerWithoutReplacement")

@@ -508,7 +508,7 @@ def test_as_dataset_streams_slices_in_workers(buffer_side: str) -> None:
 
 def _count_rebuilds(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A process-shared count of full index rebuilds (workers are forked after the patch)."""
-    from fastreplay import _index_sync
+    from fastreplay.samplers import _index_sync
 
     count = mp.get_context("fork").Value("q", 0)
     rebuild = _index_sync.IndexSync._rebuild

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from fastreplay._core.slice_index import slice_index
-from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
     PRIORITIZED_SLICE_ARGS,
@@ -31,6 +30,7 @@ from fastreplay._torchrl import (
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
+from fastreplay.samplers._index_sync import IndexSync
 from fastreplay.samplers._slice_info import truncation_flags
 from fastreplay.samplers.prioritized import PrioritizedSampler, _locked, uniform_draws
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count

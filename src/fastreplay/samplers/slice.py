@@ -12,7 +12,6 @@ from tensordict.utils import NestedKey
 
 from fastreplay._core.slice_index import slice_index
 from fastreplay._core.trajectory_index import TrajectoryIndex
-from fastreplay._index_sync import IndexSync
 from fastreplay._signature import constructor_signature
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
@@ -25,6 +24,7 @@ from fastreplay._torchrl import (
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
+from fastreplay.samplers._index_sync import IndexSync
 
 __all__ = [
     "MissingKeyError",

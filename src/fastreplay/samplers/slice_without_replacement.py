@@ -18,7 +18,6 @@ from tensordict.utils import NestedKey
 
 from fastreplay._core.epoch_permutation import EpochPermutation
 from fastreplay._core.slice_index import slice_index
-from fastreplay._index_sync import IndexSync
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
@@ -30,6 +29,7 @@ from fastreplay._torchrl import (
     is_batch_time,
     pads_short_slices,
 )
+from fastreplay.samplers._index_sync import IndexSync
 from fastreplay.samplers._slice_info import take, truncation_flags
 from fastreplay.samplers.slice import SliceSampler, _check_count
 
