@@ -26,7 +26,7 @@ import torchrl
 from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 
-from fastreplay._torchrl import TorchRLReplayBuffer as _TorchRLReplayBuffer
+from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
 from fastreplay.buffers import pinning
 
 __all__ = ["PinnedSamples", "write_info"]
@@ -204,9 +204,10 @@ class PinnedSamples:
                 "the output tensordict.",
                 stacklevel=2,
             )
-        # ``ReplayBuffer.sample``, not ``TensorDictReplayBuffer.sample``: the metadata is
-        # written (and pinned) in ``_sample`` already, where TorchRL's would overwrite it.
-        data, info = _TorchRLReplayBuffer.sample(self, batch_size, return_info=True, **kwargs)
+        # The bases after ``TensorDictReplayBuffer`` (``ReplayBuffer.sample``), not its own
+        # ``sample``: the metadata is written (and pinned) in ``_sample`` already, where
+        # TorchRL's would overwrite it. Every base before it runs as usual.
+        data, info = super(_TorchRLBuffer, self).sample(batch_size, return_info=True, **kwargs)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)

@@ -181,8 +181,10 @@ class TensorDictPrioritizedReplayBuffer(
                 )
             self._prioritized_sampler = prioritized_sampler
             sampler = RandomSampler()
-        _TorchRLBuffer.__init__(
-            self,
+        # The bases after TorchRL's ``TensorDictPrioritizedReplayBuffer`` (its
+        # ``TensorDictReplayBuffer``), skipping only its ``__init__`` (it builds TorchRL's
+        # sampler); every base before it runs as usual.
+        super(_TorchRLPrioritizedBuffer, self).__init__(
             storage=storage,
             sampler=sampler,
             compilable=compilable,
