@@ -742,3 +742,21 @@ def test_benchmark_modules_import_no_circle() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
+
+
+def test_ab_step_compares_two_source_trees() -> None:
+    """``python -m benchmarks.ab_step``: both sides run, every part is printed with a ratio."""
+    src = str(REPO / "src")
+    sizes = ["--stored", "3000", "--steps", "20", "--rounds", "1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ab_step", "--base", src, "--head", src, *sizes],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith(("per ", "slice "))]
+    assert len(rows) == 6
+    for row in rows:
+        base, head, ratio = map(float, row[-3:])
+        assert base > 0 and head > 0 and ratio == pytest.approx(head / base, abs=0.01)
