@@ -154,19 +154,19 @@ class PinnedSamples:
 
     def _finish(self, data: Any, info: Any) -> tuple[Any, Any]:
         device = self._fr_device
-        to_host = device is not None and device.type == "cpu"
-        if to_host:
+        if device is not None and device.type == "cpu":
             # From a storage on an accelerator: bring it over first, then pin what arrived.
             data = pinning.move_tree(data, device)
+            device = None
         if self._fr_pinning:
             data, info = pinning.pin_tree((data, info))
-        if device is not None and not to_host:
+        if device is not None:
             # To an accelerator: pinned first, so the copy does not block.
             data = pinning.move_tree(data, device)
         return data, info
 
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
-        data, info = super()._sample(batch_size)
+        data, info = super()._sample(batch_size)  # type: ignore[misc]
         if not is_tensor_collection(data) or is_tensorclass(data):
             return self._finish(data, info)
         data, info[_SHADOWED] = write_info(data, info)
@@ -207,7 +207,7 @@ class PinnedSamples:
         # The bases after ``TensorDictReplayBuffer`` (``ReplayBuffer.sample``), not its own
         # ``sample``: the metadata is written (and pinned) in ``_sample`` already, where
         # TorchRL's would overwrite it. Every base before it runs as usual.
-        data, info = super(_TorchRLBuffer, self).sample(batch_size, return_info=True, **kwargs)
+        data, info = super(_TorchRLBuffer, self).sample(batch_size, return_info=True, **kwargs)  # type: ignore[misc]
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)
@@ -235,11 +235,11 @@ class PinnedSamples:
         Checkpoints (``state_dict``, ``dumps``, pickling) then load into either library; a
         restored sample gets its metadata in :meth:`sample`. O(queued samples).
         """
-        with super()._capture_prefetch_state(clone_queue=clone_queue) as state:
+        with super()._capture_prefetch_state(clone_queue=clone_queue) as state:  # type: ignore[misc]
             yield {**state, "queue": tuple(map(upstream_form, state["queue"]))}
 
     def __getitem__(self, index: Any) -> Any:
-        data = super().__getitem__(index)
+        data = super().__getitem__(index)  # type: ignore[misc]
         if self._fr_pinning:
             data = pinning.pin_tree(data)
         return data

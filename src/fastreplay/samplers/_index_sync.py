@@ -114,7 +114,7 @@ class IndexSync:
         if loaded:
             self._loaded = True
 
-    def record(self, index: int | torch.Tensor) -> None:
+    def record(self, index: int | torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         """The rows one ``extend``/``add`` wrote: ``O(items written)``, on numpy.
 
         A round-robin run (consecutive rows, wrapping at most once to row 0) is queued to be
@@ -257,11 +257,12 @@ class IndexSync:
         idx = (first + torch.arange(n)) % rows if first + n > rows else slice(first, first + n)
         if mode == "ids":
             return leaves[0][idx].cpu().numpy()
-        out = None
+        out: torch.Tensor | None = None
         for leaf in leaves:
             flags = leaf[idx]
             flags = flags if flags.dtype == torch.bool else flags != 0
             out = flags if out is None else out | flags
+        assert out is not None  # ``_leaves`` returns one leaf at least
         return out.cpu().numpy()
 
     def _last_row(self, storage: Any) -> int | None:
