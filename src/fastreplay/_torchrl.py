@@ -523,8 +523,9 @@ class _SliceHooks:
             st_index = storage[index]
             info: dict[Any, Any] = {}
             if self.truncated_key is not None:
-                truncated = torch.zeros((index[0].shape[0], 1), dtype=torch.bool)
-                truncated = truncated.to(index[0].device)
+                truncated = torch.zeros(
+                    (index[0].shape[0], 1), dtype=torch.bool, device=index[0].device
+                )
                 if target_seq_length is not None and isinstance(seq_length, torch.Tensor):
                     positions = torch.arange(
                         num_slices, device=seq_length.device

@@ -35,6 +35,7 @@ new TorchRL adds is not skipped unnoticed.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
@@ -176,46 +177,45 @@ class PathChoice:
 
     # ------------------------------------------------------------------ writes
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        """Extend as TorchRL does; the common set-up writes the rows directly.
+        """Extend as TorchRL does; the common set-up writes the rows directly (:meth:`_fr_write`).
 
-        On TorchRL's path, the write that creates a lazy storage's tensors also advises huge
-        pages for them (:mod:`fastreplay.buffers.huge_pages`). A write that raises part way
-        (a later key of the wrong shape) makes the sampler read the storage again
-        (:func:`written_in_part`).
+        Either way, the write gets what every write gets (:meth:`_fr_written`).
         """
-        try:
-            if not args and len(kwargs) <= ("update_priority" in kwargs):
-                index = self._fr_fast_extend(data, kwargs.get("update_priority"))
-                if index is not None:
-                    return index
-            first = huge_pages.before_first_write(self)
-            index = super().extend(data, *args, **kwargs)  # type: ignore[misc]
-        except BaseException:
-            written_in_part(self)
-            raise
-        if first:
-            huge_pages.after_first_write(self)
-        return index
+        return self._fr_written(self._fr_extend, data, *args, **kwargs)
 
     def add(self, data: Any) -> Any:
-        """Add as TorchRL does (its path), with :meth:`extend`'s huge pages and failed writes."""
+        """Add as TorchRL does (its path), with what every write gets (:meth:`_fr_written`)."""
+        return self._fr_written(super().add, data)  # type: ignore[misc]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``rb[index] = value`` as TorchRL does, with what every write gets."""
+        self._fr_written(super().__setitem__, index, value)  # type: ignore[misc]
+
+    def _fr_written(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``write(*args, **kwargs)``, with what every write of the buffer gets.
+
+        The write that creates a lazy storage's tensors also advises huge pages for them
+        (:mod:`fastreplay.buffers.huge_pages`); a write that raises part way (a later key of
+        the wrong shape) makes the sampler read the storage again (:func:`written_in_part`).
+        O(1) on top of ``write``.
+        """
         try:
             first = huge_pages.before_first_write(self)
-            index = super().add(data)  # type: ignore[misc]
+            out = write(*args, **kwargs)
         except BaseException:
             written_in_part(self)
             raise
         if first:
             huge_pages.after_first_write(self)
-        return index
+        return out
 
-    def __setitem__(self, index: Any, value: Any) -> None:
-        """``rb[index] = value`` as TorchRL does; if it raises, the sampler rereads the storage."""
-        try:
-            super().__setitem__(index, value)  # type: ignore[misc]
-        except BaseException:
-            written_in_part(self)
-            raise
+    def _fr_extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        """The direct write where it applies, else TorchRL's ``extend``."""
+        if not args and len(kwargs) <= ("update_priority" in kwargs):
+            index = self._fr_fast_extend(data, kwargs.get("update_priority"))
+            if index is not None:
+                return index
+        return super().extend(data, *args, **kwargs)  # type: ignore[misc]
 
     def _fr_fast_extend(self, data: Any, update_priority: bool | None) -> torch.Tensor | None:
         """TorchRL's ``TensorDictReplayBuffer.extend`` in one pass, or ``None`` (not taken).
