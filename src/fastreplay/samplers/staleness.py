@@ -75,7 +75,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(9), sampler=sampler,
         ...                             batch_size=4)
         >>> for version in range(4):
-        ...     rb.extend(TensorDict({"policy_version": torch.full((3,), version)}, [3]))
+        ...     _ = rb.extend(TensorDict({"policy_version": torch.full((3,), version)}, [3]))
         >>> sampler.consumer_version = 4
         >>> sample = rb.sample()  # staleness 1 or 2: the items of version 3 and 2 only
         >>> sorted(set(sample["policy_version"].tolist())) in ([2], [3], [2, 3])
