@@ -760,3 +760,15 @@ def test_ab_step_compares_two_source_trees() -> None:
     for row in rows:
         base, head, ratio = map(float, row[-3:])
         assert base > 0 and head > 0 and ratio == pytest.approx(head / base, abs=0.01)
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_staleness_scenario_small_run_is_correct(tmp_path: Path) -> None:
+    argv = ["--only", "staleness", "--stale-stored", "5001", "--stale-versions", "7"]
+    assert main([*argv, "--stale-batch", "16", "--repeats", "3", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["case"] for r in payload["results"]] == [
+        "5.001k stored, 7 versions, same consumer",
+        "5.001k stored, 7 versions, consumer +1",
+    ]
+    assert all(r["correct"] and r["speedup"] > 0 for r in payload["results"])

@@ -17,6 +17,7 @@ from fastreplay.samplers import (
     PrioritizedSliceSampler,
     SliceSampler,
     SliceSamplerWithoutReplacement,
+    StalenessAwareSampler,
 )
 
 __version__ = "0.1.0"
@@ -31,4 +32,5 @@ __all__ = [
     "PrioritizedSliceSampler",
     "SliceSamplerWithoutReplacement",
     "RayReplayBuffer",
+    "StalenessAwareSampler",
 ]

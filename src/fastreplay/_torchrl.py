@@ -143,6 +143,9 @@ from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH as _REPLA
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.samplers import Sampler
 from torchrl.data.replay_buffers.samplers import SliceSampler as TorchRLSliceSampler
+from torchrl.data.replay_buffers.samplers import (
+    StalenessAwareSampler as TorchRLStalenessAwareSampler,
+)
 from torchrl.data.replay_buffers.storages import (
     LazyMemmapStorage,
     LazyTensorStorage,
@@ -187,6 +190,7 @@ __all__ = [
     "TorchRLReplayBuffer",
     "TorchRLSliceSampler",
     "TorchRLSliceSamplerWithoutReplacement",
+    "TorchRLStalenessAwareSampler",
     "CONSUMING_SAMPLERS",
     "INT_CLASSES",
     "LazyMemmapStorage",

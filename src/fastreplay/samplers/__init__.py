@@ -4,10 +4,12 @@ from fastreplay.samplers.prioritized import PrioritizedSampler
 from fastreplay.samplers.prioritized_slice import PrioritizedSliceSampler
 from fastreplay.samplers.slice import SliceSampler
 from fastreplay.samplers.slice_without_replacement import SliceSamplerWithoutReplacement
+from fastreplay.samplers.staleness import StalenessAwareSampler
 
 __all__ = [
     "PrioritizedSampler",
     "SliceSampler",
     "PrioritizedSliceSampler",
     "SliceSamplerWithoutReplacement",
+    "StalenessAwareSampler",
 ]
