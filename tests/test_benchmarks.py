@@ -760,3 +760,17 @@ def test_ab_step_compares_two_source_trees() -> None:
     for row in rows:
         base, head, ratio = map(float, row[-3:])
         assert base > 0 and head > 0 and ratio == pytest.approx(head / base, abs=0.01)
+
+
+def test_sequence_scenario_small(tmp_path: Path, capsys) -> None:
+    """The sequence scenario, small: both cases run, and fastreplay's agrees with TorchRL's."""
+    argv = ["--only", "sequence", "--seq-capacity", "5001", "--seq-episode", "70"]
+    assert main([*argv, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    cases = [r["case"] for r in payload["results"]]
+    assert cases == [
+        "static sample, 5.001k",
+        "online step (extend 1000, sample, update priorities), 5.001k",
+    ]
+    assert all(r["correct"] and r["torchrl_s"] > 0 for r in payload["results"])
+    capsys.readouterr()
