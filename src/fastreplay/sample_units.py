@@ -332,6 +332,24 @@ if TorchRLSubgoalTriplet is not None and HAS_EPISODE_BOUNDARIES:
             goal_discount: the goal offset's distribution (geometric, or ``None``: uniform).
             policy_goal_discount: the same for the policy goal.
             done_key: the end-of-episode flag.
+
+        Example:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from torchrl.data import LazyTensorStorage
+            >>> from fastreplay import SubgoalTriplet, TensorDictReplayBuffer
+            >>> done = torch.zeros(20, 1, dtype=torch.bool)
+            >>> done[9] = done[19] = True
+            >>> rb = TensorDictReplayBuffer(
+            ...     storage=LazyTensorStorage(20), batch_size=8,
+            ...     sample_unit=SubgoalTriplet(goal_discount=0.9),
+            ... )
+            >>> _ = rb.extend(TensorDict(
+            ...     {"step": torch.arange(20), ("next", "done"): done}, batch_size=[20]
+            ... ))
+            >>> state, subgoal, goal, _ = rb.sample().unflatten(0, (8, 4))["step"].unbind(-1)
+            >>> bool(((state <= subgoal) & (subgoal < goal)).all())
+            True
         """
 
     _fast_classes[TorchRLSubgoalTriplet] = SubgoalTriplet
