@@ -12,6 +12,7 @@ import pytest
 
 import fastreplay
 from conftest import REPO
+from fastreplay._torchrl import HAS_SAMPLE_UNITS, TORCHRL_VERSION
 from markdown_runner import extract_blocks, run_markdown
 
 MARKDOWN = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -33,8 +34,10 @@ def _modules() -> list[str]:
 
 @pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
 def test_markdown_examples_run(path: Path) -> None:
-    executed, not_runnable = run_markdown(path)
     rel = str(path.relative_to(REPO))
+    if rel == "docs/sequence_units.md" and not HAS_SAMPLE_UNITS:
+        pytest.skip(f"TorchRL {TORCHRL_VERSION} has no sample units")
+    executed, not_runnable = run_markdown(path)
     assert not_runnable == EXPECTED_NOT_RUNNABLE.get(rel, 0), (
         f"{rel} has {not_runnable} 'python no-run' blocks; update EXPECTED_NOT_RUNNABLE "
         "if this is deliberate"

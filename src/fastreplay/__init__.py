@@ -12,6 +12,7 @@ from __future__ import annotations
 from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 from fastreplay.ppo import chunked_log_prob
 from fastreplay.ray_buffer import RayReplayBuffer
+from fastreplay.sample_units import __all__ as _unit_names
 from fastreplay.samplers import (
     PrioritizedSampler,
     PrioritizedSliceSampler,
@@ -34,3 +35,14 @@ __all__ = [
     "RayReplayBuffer",
     "StalenessAwareSampler",
 ]
+
+# TorchRL's sample units where the installed TorchRL has them (``Sequence`` from 0.14,
+# ``SubgoalTriplet`` on the nightly).
+if "Sequence" in _unit_names:
+    from fastreplay.sample_units import Sequence
+
+    __all__ += ["Sequence"]
+if "SubgoalTriplet" in _unit_names:
+    from fastreplay.sample_units import SubgoalTriplet
+
+    __all__ += ["SubgoalTriplet"]

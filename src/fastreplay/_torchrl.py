@@ -100,6 +100,14 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
 * **Replay buffers**: the nightly's ``TensorDictReplayBuffer.sample`` takes ``wait``,
   ``timeout`` and ``cancel_event`` keywords (:data:`SAMPLE_KEYWORDS`), which fastreplay's
   buffers honour on the direct path too.
+* **Sample units** (:data:`HAS_SAMPLE_UNITS`, :func:`episode_boundaries_expand`): 0.14 and
+  the nightly have ``torchrl.data.replay_buffers.sample_units`` (``Sequence``; the nightly
+  adds ``SubgoalTriplet``); 0.13 has no sample units. The nightly reads a unit's episode
+  boundaries through the static method ``SampleUnit._episode_boundaries(storage, done_key,
+  device)``; 0.14 builds them inline in ``Sequence.expand`` (``done = storage.get(...)``,
+  then ``_ReplayBoundaryIndex(...)``). There, :func:`episode_boundaries_expand` recompiles
+  the installed ``expand`` with that block replaced by a call to ``_episode_boundaries``
+  (read from its source), so one hook serves every version.
 * **Buffer bookkeeping** (:class:`Bookkeeping`): what TorchRL's buffer methods do besides
   moving data, which fastreplay's direct buffer path does at the same points through this one
   class: the nightly's readiness notification after every write
@@ -206,6 +214,15 @@ __all__ = [
     "pads_short_slices",
     "ray_runtime_lease",
     "warn_left_span_disabled",
+    "HAS_SAMPLE_UNITS",
+    "HAS_EPISODE_BOUNDARIES",
+    "TorchRLSampleUnit",
+    "TorchRLSequence",
+    "TorchRLSubgoalTriplet",
+    "TorchRLTransition",
+    "ReplayBoundaryIndex",
+    "torchrl_episode_boundaries",
+    "episode_boundaries_expand",
 ]
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -707,3 +724,194 @@ class Bookkeeping:
                 f"Replay buffer did not become sampleable for a batch of "
                 f"{batch_size} items within {timeout} seconds."
             )
+
+
+# ---------------------------------------------------------------------- sample units
+try:
+    from torchrl.data.replay_buffers import sample_units as _sample_units
+except ImportError:  # TorchRL 0.13: no sample units
+    _sample_units = None
+
+HAS_SAMPLE_UNITS: bool = _sample_units is not None
+"""Whether TorchRL has sample units (``sample_unit=`` on its buffers): 0.14, nightly."""
+
+TorchRLSampleUnit: Any = getattr(_sample_units, "SampleUnit", None)
+TorchRLSequence: Any = getattr(_sample_units, "Sequence", None)
+TorchRLSubgoalTriplet: Any = getattr(_sample_units, "SubgoalTriplet", None)
+"""TorchRL's ``SubgoalTriplet`` (nightly), or ``None``."""
+TorchRLTransition: Any = getattr(_sample_units, "Transition", None)
+ReplayBoundaryIndex: Any = getattr(_sample_units, "_ReplayBoundaryIndex", None)
+"""The episode-boundary class TorchRL's units build (``torchrl...utils._ReplayBoundaryIndex``)."""
+
+HAS_EPISODE_BOUNDARIES: bool = hasattr(TorchRLSampleUnit, "_episode_boundaries")
+"""Whether TorchRL's units read their boundaries through ``SampleUnit._episode_boundaries``
+(nightly); 0.14 builds them inline in ``Sequence.expand``."""
+
+
+def _is_boundary_assign(node: ast.stmt) -> bool:
+    """``boundary = _ReplayBoundaryIndex(...)`` with ``storage=``, ``source=``, ``device=``."""
+    if not (
+        isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value.func) == "_ReplayBoundaryIndex"
+    ):
+        return False
+    keywords = {k.arg: k.value for k in node.value.keywords}
+    source = keywords.get("source")
+    return (
+        {"storage", "source", "device", "end"} <= keywords.keys()
+        and isinstance(source, ast.Tuple)
+        and len(source.elts) == 2
+        and isinstance(keywords["end"], ast.Name)
+    )
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _boundary_block(function: ast.FunctionDef) -> tuple[list[ast.stmt], int, int] | None:
+    """``(body, start, i)``: ``body[i]`` builds the boundary, ``body[start:i]`` its ``end``."""
+    for node in ast.walk(function):
+        body = getattr(node, "body", None)
+        if not isinstance(body, list):
+            continue
+        for i, statement in enumerate(body):
+            if not _is_boundary_assign(statement):
+                continue
+            assert isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call)
+            end = next(k.value for k in statement.value.keywords if k.arg == "end")
+            assert isinstance(end, ast.Name)
+            start = i
+            while start > 0 and end.id in _names(body[start - 1]):
+                start -= 1
+            if start == i or any(end.id in _names(s) for s in body[i + 1 :]):
+                return None  # the end tensor is used elsewhere: not only the boundary's input
+            return body, start, i
+    return None
+
+
+@functools.cache
+def _backported_expand() -> tuple[Any, Any] | None:
+    """0.14's ``Sequence.expand`` calling ``self._episode_boundaries``, and that block alone.
+
+    In the installed ``expand``, the statements that compute the ``end`` tensor passed to
+    ``_ReplayBoundaryIndex`` (the run just before it that assigns that name) and the
+    ``boundary = _ReplayBoundaryIndex(...)`` statement are replaced by
+    ``boundary = self._episode_boundaries(storage, done_key, device)``; the removed
+    statements become ``_episode_boundaries(storage, done_key, device)`` themselves (with
+    ``self.done_key`` read as ``done_key``). Both are compiled with ``expand``'s file name
+    and line numbers in TorchRL's module. ``None`` where that shape is not found.
+    """
+    if TorchRLSequence is None:
+        return None
+    method = TorchRLSequence.expand
+    try:
+        lines, first = inspect.getsourcelines(method)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    found = _boundary_block(function)
+    if found is None:
+        return None
+    body, start, i = found
+    assign = body[i]
+    removed = body[start:i]
+    assert isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call)
+    keywords = {k.arg: k.value for k in assign.value.keywords}
+    source = keywords["source"]
+    assert isinstance(source, ast.Tuple)
+    done_key, storage, device = source.elts[1], keywords["storage"], keywords["device"]
+    if ast.unparse(done_key) != "self.done_key":
+        return None
+    call = ast.parse(
+        f"{ast.unparse(assign.targets[0])} = self._episode_boundaries("
+        f"{ast.unparse(storage)}, {ast.unparse(done_key)}, {ast.unparse(device)})"
+    ).body[0]
+    ast.increment_lineno(call, assign.lineno - 1)
+
+    class _DoneKey(ast.NodeTransformer):
+        def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
+            if ast.unparse(node) == "self.done_key":
+                return ast.copy_location(ast.Name(id="done_key", ctx=ast.Load()), node)
+            return self.generic_visit(node)
+
+    hook = ast.parse(
+        f"def _episode_boundaries({ast.unparse(storage)}, done_key, {ast.unparse(device)}):\n"
+        "    pass\n"
+    ).body[0]
+    assert isinstance(hook, ast.FunctionDef)
+    hook.body = [_DoneKey().visit(s) for s in (*removed, assign)]
+    hook.body.append(ast.Return(value=ast.Name(id=ast.unparse(assign.targets[0]), ctx=ast.Load())))
+    if "self" in set().union(*(_names(s) for s in hook.body)):
+        return None  # the block reads more of the unit than its done_key
+    body[start : i + 1] = [call]
+    module = sys.modules[method.__module__]
+    compiled = []
+    for definition in (function, hook):
+        tree = ast.Module(body=[definition], type_ignores=[])
+        ast.fix_missing_locations(tree)
+        ast.increment_lineno(tree, first - 1)
+        code = compile(tree, method.__code__.co_filename, "exec")
+        body_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+        compiled.append(types.FunctionType(body_code, module.__dict__, definition.name))
+    expand, boundaries = compiled
+    expand.__qualname__ = method.__qualname__
+    expand.__doc__ = method.__doc__
+    return expand, boundaries
+
+
+def torchrl_episode_boundaries(storage: Any, done_key: Any, device: Any) -> Any:
+    """TorchRL's episode-boundary object for ``storage``/``done_key`` (its full scan).
+
+    The nightly's ``SampleUnit._episode_boundaries``; on 0.14, the block of
+    ``Sequence.expand`` that builds it (see :func:`episode_boundaries_expand`).
+    """
+    if HAS_EPISODE_BOUNDARIES:
+        return TorchRLSampleUnit._episode_boundaries(storage, done_key, device)
+    backported = _backported_expand()
+    if backported is None:
+        raise NotImplementedError("TorchRL's Sequence.expand has no boundary block here.")
+    return backported[1](storage, done_key, device)
+
+
+def episode_boundaries_expand(boundaries: Callable[..., Any]) -> Any:
+    """``Sequence.expand`` reading its episode boundaries through ``self._episode_boundaries``.
+
+    ``None`` on the nightly (TorchRL's own ``expand`` does; override the static method). On
+    0.14, TorchRL's ``expand`` recompiled from its source with its boundary block replaced by
+    that call (:func:`_backported_expand`); where that block is not found, TorchRL's
+    ``expand`` run with ``_ReplayBoundaryIndex`` standing for
+    ``boundaries(storage, done_key, device, make)`` (``make()``: TorchRL's object), which
+    still reads ``storage.get(done_key)`` first.
+    """
+    if HAS_EPISODE_BOUNDARIES or TorchRLSequence is None:
+        return None
+    backported = _backported_expand()
+    if backported is not None:
+        return backported[0]
+    method = TorchRLSequence.expand
+    if "_ReplayBoundaryIndex" not in method.__code__.co_names:
+        return method
+
+    def boundary_index(**kwargs: Any) -> Any:
+        source = kwargs.get("source")
+        done_key = source[1] if isinstance(source, tuple) and len(source) == 2 else None
+        return boundaries(
+            kwargs.get("storage"),
+            done_key,
+            kwargs.get("device"),
+            lambda: ReplayBoundaryIndex(**kwargs),
+        )
+
+    namespace = {**sys.modules[method.__module__].__dict__, "_ReplayBoundaryIndex": boundary_index}
+    expand = types.FunctionType(
+        method.__code__, namespace, method.__name__, method.__defaults__, method.__closure__
+    )
+    expand.__qualname__, expand.__doc__ = method.__qualname__, method.__doc__
+    return expand

@@ -10,8 +10,10 @@ call:
 
 * a 1-D ``TensorStorage`` / ``LazyTensorStorage`` / ``LazyMemmapStorage`` holding a plain
   ``TensorDict`` on CPU, written by a ``TensorDictRoundRobinWriter`` (no generation tracking);
-* no transform, no prefetch, no pinning or ``device``, not shared, not consuming, no sample
-  unit, the default collate function, ``dim_extend=0``, a synchronous sampler;
+* no transform, no prefetch, no pinning or ``device``, not shared, not consuming, the default
+  collate function, ``dim_extend=0``, a synchronous sampler; no sample unit, or one of
+  TorchRL's or fastreplay's ``Transition``/``Sequence``/``SubgoalTriplet`` (expanded after
+  the sampler, as TorchRL does, by fastreplay's unit: :mod:`fastreplay.sample_units`);
 * ``extend``: a ``TensorDict`` with exactly the stored keys (``index`` aside), feature shapes
   and dtypes, on CPU, 1 to ``max_size`` rows;
 * ``sample``: any sampler but a consuming one; a 1-D index tensor (or a tuple holding one,
@@ -40,10 +42,13 @@ from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchR
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torchrl.envs.transforms import Compose
 
+from fastreplay import sample_units as _units
 from fastreplay._torchrl import (
     CONSUMING_SAMPLERS,
+    HAS_SAMPLE_UNITS,
     INT_CLASSES,
     SAMPLE_KEYWORDS,
     STORAGE_HAS_REVISION,
@@ -52,6 +57,9 @@ from fastreplay._torchrl import (
     TensorDictRoundRobinWriter,
     TensorStorage,
     TorchRLPrioritizedSampler,
+    TorchRLSequence,
+    TorchRLSubgoalTriplet,
+    TorchRLTransition,
     _collate_id,
     _storage_index,
 )
@@ -104,6 +112,25 @@ def _run_length(sampler: Any, batch_size: int) -> int | None:
     return length if isinstance(length, int) else None
 
 
+_DIRECT_UNITS: frozenset[type] = frozenset(
+    cls
+    for cls in (
+        TorchRLTransition,
+        TorchRLSequence,
+        TorchRLSubgoalTriplet,
+        getattr(_units, "Sequence", None),
+        getattr(_units, "SubgoalTriplet", None),
+    )
+    if cls is not None
+)
+"""The sample units the direct path expands with (their ``expand`` is TorchRL's code)."""
+
+_SEQUENCES: frozenset[type] = frozenset(
+    cls for cls in (TorchRLSequence, getattr(_units, "Sequence", None)) if cls is not None
+)
+"""Units whose windows are runs of consecutive rows (``dilation=1``): gathered run by run."""
+
+
 def written_in_part(buffer: Any) -> None:
     """After a write of ``buffer`` raised: its sampler rereads the storage at the next sample.
 
@@ -116,6 +143,9 @@ def written_in_part(buffer: Any) -> None:
     invalidate = getattr(buffer.__dict__.get("_sampler"), "invalidate_boundaries", None)
     if invalidate is not None:
         invalidate()
+    storage = buffer.__dict__.get("_storage")
+    if storage is not None:
+        _units.invalidate_writes(storage)
 
 
 class PathChoice:
@@ -131,6 +161,23 @@ class PathChoice:
     """
 
     _fr_fast = True
+
+    if HAS_SAMPLE_UNITS:
+
+        @property
+        def _sample_unit(self) -> Any:
+            """The unit TorchRL's ``_sample`` expands with: fastreplay's twin of TorchRL's.
+
+            The unit passed as ``sample_unit`` is kept as it is (``_fr_sample_unit``); an
+            instance of exactly TorchRL's ``Sequence``/``SubgoalTriplet`` is expanded by
+            fastreplay's class, sharing its attributes (:func:`fastreplay.sample_units.
+            fast_unit`). O(1).
+            """
+            return _units.fast_unit(self.__dict__.get("_fr_sample_unit"))
+
+        @_sample_unit.setter
+        def _sample_unit(self, unit: Any) -> None:
+            self.__dict__["_fr_sample_unit"] = unit
 
     # ------------------------------------------------------------------ common conditions
     def _fr_plain(self) -> TensorStorage | None:
@@ -154,7 +201,10 @@ class PathChoice:
             or state.get("shared", True)
             or state.get("_prefetch", True)
             or state.get("_dim_extend") != 0
-            or state.get("_sample_unit") is not None
+            or (
+                state.get("_fr_sample_unit") is not None
+                and type(state["_fr_sample_unit"]) not in _DIRECT_UNITS
+            )
             or state.get("_collate_fn") is not _collate_id
             or not state.get("_sync", True)
             or state.get("_fr_pinning", False)
@@ -207,6 +257,12 @@ class PathChoice:
             raise
         if first:
             huge_pages.after_first_write(self)
+        if HAS_SAMPLE_UNITS:
+            storage = self.__dict__.get("_storage")
+            if out is None:
+                _units.invalidate_writes(storage)  # ``rb[idx] = ...``: not a cursor write
+            else:
+                _units.record_write(storage, out)
         return out
 
     def _fr_extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -361,21 +417,33 @@ class PathChoice:
         With a prioritized sampler, a 1-D storage, no sample unit, and a floating-point
         priority of one value per sampled row at ``priority_key``, TorchRL's reduction and
         index reshaping return their inputs: the sample's ``index`` and priorities go to
-        :meth:`update_priority` directly. Anything else is TorchRL's method. O(1) on top of
-        ``update_priority``.
+        :meth:`update_priority` directly. With a ``Sequence`` unit, TorchRL's reduction onto
+        the anchors (``_anchor_reduced_priority``: the max over each window's valid records,
+        ``O(batch)``) goes to :meth:`update_priority` the same way. Anything else is
+        TorchRL's method. O(batch) on top of ``update_priority``.
         """
         state = self.__dict__
         if (
             self._fr_fast
             and isinstance(state.get("_sampler"), TorchRLPrioritizedSampler)
-            and state.get("_sample_unit") is None
             and state.get("_initialized", False)
         ):
             storage = state.get("_storage")
-            if storage is not None and storage.ndim == 1:
+            unit = state.get("_fr_sample_unit")
+            if storage is not None and storage.ndim == 1 and unit is None:
                 pair = _rows.priority_rows(data, self.priority_key)
                 if pair is not None:
                     return self.update_priority(*pair)
+            elif (
+                storage is not None
+                and type(unit) in _SEQUENCES
+                and type(data) is TensorDict
+                and data.ndim
+            ):
+                # TorchRL's ``update_tensordict_priority``, its sampler check passed
+                anchored = self._anchor_reduced_priority(data, self._get_priority_vector(data))
+                if anchored is not None:
+                    return self.update_priority(*anchored)
         return super().update_tensordict_priority(data)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ sample
@@ -459,6 +527,14 @@ class PathChoice:
         if plan is None:
             return None
         index, info = Bookkeeping.call_sampler(sampler, storage, batch_size)
+        unit = self.__dict__.get("_fr_sample_unit")
+        run = None
+        if unit is not None:  # expanded where TorchRL's ``_sample`` expands
+            index, info = _units.fast_unit(unit).expand(index, info, storage)
+            if type(unit) in _SEQUENCES and unit.dilation == 1:
+                run = unit.burn_in + unit.length + unit.bootstrap  # windows: runs of rows
+        else:
+            run = _run_length(sampler, batch_size)
         info["index"] = index
         # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
         rows = index[0] if type(index) is tuple and len(index) == 1 else index
@@ -475,9 +551,7 @@ class PathChoice:
         extra = info
         if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
             extra = {**info, "index": torch.stack(index, -1)}
-        data, written = _rows.gather_rows(
-            plan, rows, length.value, extra, _run_length(sampler, batch_size)
-        )
+        data, written = _rows.gather_rows(plan, rows, length.value, extra, run)
         return Bookkeeping.named(sampler, data), info, written
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:

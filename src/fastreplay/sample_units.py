@@ -1,0 +1,385 @@
+"""Sample units whose episode boundaries come from fastreplay's incremental trajectory index.
+
+TorchRL's sequence-style units (``Sequence``; ``SubgoalTriplet`` on the nightly) expand the
+anchors a sampler drew into windows of records, clamped at episode boundaries. To find those
+boundaries TorchRL scans the storage's whole ``done_key`` entry after every write
+(``_ReplayBoundaryIndex``, cached until the storage's next write): ``O(items stored)`` per
+online step. fastreplay's units run TorchRL's own expansion code, with that one object
+replaced by :class:`IndexedBoundaries`, which answers the same queries from a
+:class:`~fastreplay._core.trajectory_index.TrajectoryIndex` kept in step with the storage:
+
+* writes made through fastreplay's buffers are reported to the index: ``O(rows written)``;
+* writes nobody reported (TorchRL's buffer, ``storage.set``) are seen from the storage's
+  mutation revision and make the index rebuild once, at the next ``expand``
+  (``O(items stored)``, as TorchRL);
+* each query is ``O(batch x log(trajectories))``.
+
+So every record, mask, info key and random draw is TorchRL's, by construction. The index is
+shared by every unit that reads the same storage and ``done_key``. Where it cannot serve
+(floating-point done flags, a full storage without a recorded last write, anchors outside the
+written rows...), TorchRL's own boundary object is used: never an error where TorchRL works.
+``done_key=None`` (one trajectory per column, bounded by the write seam) needs no index.
+
+TorchRL 0.13 has no sample units: this module then exports nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastreplay._torchrl import (
+    HAS_EPISODE_BOUNDARIES,
+    TorchRLSequence,
+    TorchRLSubgoalTriplet,
+    episode_boundaries_expand,
+    last_cursor_row,
+    torchrl_episode_boundaries,
+)
+from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
+from fastreplay.samplers._index_sync import IndexSync
+
+__all__ = ["IndexedBoundaries", "record_write", "invalidate_writes", "fast_unit"]
+
+
+class _DoneKey:
+    """What :class:`IndexSync` reads from a slice sampler to find its signal: one done key."""
+
+    _traj_key_auto = False
+    _fetch_traj = False
+    end_keys = None
+
+    def __init__(self, key: Any) -> None:
+        self.end_key = key
+
+
+class _CountingSync(IndexSync):
+    """An :class:`IndexSync` that counts its full reads of the storage."""
+
+    rebuilds = 0
+
+    def _rebuild(self, *args: Any) -> None:
+        self.rebuilds += 1
+        super()._rebuild(*args)
+
+
+class _Entry:
+    """One storage's index for one ``done_key``, and the lock its readers take."""
+
+    def __init__(self, done_key: Any) -> None:
+        self.sync = _CountingSync()
+        self.key = _DoneKey(done_key)
+        self.lock = threading.Lock()
+
+
+# storage -> {done_key: _Entry}; weak, so that the index goes with its storage.
+_REGISTRY: weakref.WeakKeyDictionary[Any, dict[Any, _Entry]] = weakref.WeakKeyDictionary()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _entry(storage: Any, done_key: Any) -> _Entry:
+    entries = _REGISTRY.get(storage)
+    if entries is None or done_key not in entries:
+        with _REGISTRY_LOCK:
+            entries = _REGISTRY.setdefault(storage, {})
+            if done_key not in entries:
+                entries[done_key] = _Entry(done_key)
+    return entries[done_key]
+
+
+def record_write(storage: Any, index: Any) -> None:
+    """Report the rows a write of ``storage`` touched to its units' indices.
+
+    ``O(1)`` where no unit reads ``storage``, ``O(rows written)`` otherwise (the rows are
+    read at the next ``expand``). An index that cannot tell the rows (not a round-robin
+    write) rebuilds at the next ``expand``.
+    """
+    entries = _REGISTRY.get(storage)
+    if not entries:
+        return
+    for entry in list(entries.values()):
+        with entry.lock:
+            try:
+                entry.sync.record(index)
+            except (TypeError, ValueError, RuntimeError):
+                entry.sync.invalidate()
+
+
+def invalidate_writes(storage: Any) -> None:
+    """``storage`` was written in a way no index can follow: rebuild at the next ``expand``."""
+    for entry in list((_REGISTRY.get(storage) or {}).values()):
+        with entry.lock:
+            entry.sync.invalidate()
+
+
+def rebuilds(storage: Any, done_key: Any) -> int:
+    """How many times the index of ``storage``/``done_key`` read the whole storage."""
+    entries = _REGISTRY.get(storage) or {}
+    entry = entries.get(done_key)
+    return entry.sync.rebuilds if entry is not None else 0
+
+
+class IndexedBoundaries:
+    """The episode boundaries TorchRL's ``_ReplayBoundaryIndex`` finds, from an index.
+
+    Answers what TorchRL's units ask of the boundary object: :attr:`length` (the written
+    length of the storage along dim 0) and :meth:`distances`. Build it with
+    :meth:`for_storage`, which returns ``None`` where TorchRL's object must be used.
+
+    Args:
+        length: ``storage.shape[0]``.
+        lanes: the storage's trailing batch shape (``()`` for a 1-D storage).
+        locate: ``(rows, columns) -> (start_row, trajectory_length)`` numpy arrays, or
+            ``None``: one trajectory per column, from ``start`` to ``stop``.
+        start: first row of that single trajectory (``locate=None``).
+        stop: last row of that single trajectory (``locate=None``).
+        fallback: builds TorchRL's object, for a query this one does not answer.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        lanes: tuple[int, ...],
+        locate: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None,
+        start: int,
+        stop: int,
+        fallback: Callable[[], Any],
+    ) -> None:
+        self.length = length
+        self._lanes = lanes
+        self._locate = locate
+        self._start, self._stop = start, stop
+        self._fallback = fallback
+
+    @classmethod
+    def for_storage(cls, storage: Any, done_key: Any, device: Any) -> IndexedBoundaries | None:
+        """The boundaries of ``storage`` read from ``done_key``, or ``None`` (use TorchRL's).
+
+        ``O(1)`` when the index is current, ``O(rows written)`` after reported writes,
+        ``O(items stored)`` once after unreported ones. ``device`` is not used: distances
+        come back on the anchors' device, as TorchRL's.
+        """
+
+        def fallback() -> Any:
+            return torchrl_episode_boundaries(storage, done_key, device)
+
+        shape = storage.shape
+        if shape is None or not len(shape) or not shape[0]:
+            return None  # empty or uninitialized: TorchRL's error
+        length, lanes = int(shape[0]), tuple(int(s) for s in shape[1 : storage.ndim])
+        full = bool(storage._is_full)
+        cursor = last_cursor_row(storage)
+        if full and not isinstance(cursor, int):
+            return None  # TorchRL then ends each column at its last row: not a write order
+        if done_key is None:  # one trajectory per column, ending at the last write
+            stop = cursor if full else length - 1
+            assert stop is not None
+            if not 0 <= stop < length:
+                return None
+            return cls(length, lanes, None, (stop + 1) % length, stop, fallback)
+        entry = _entry(storage, done_key)
+        with entry.lock:
+            try:
+                index = entry.sync.sync(storage, entry.key)
+            except (MissingKeyError, SignalTypeError, SliceSamplerError):
+                return None  # a missing key, float flags, a wrong shape: TorchRL's answer
+            if index.size != length or (full and index.cursor != cursor):
+                return None
+
+        def locate(rows: np.ndarray, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            with entry.lock:
+                return index.locate(rows, columns)
+
+        return cls(length, lanes, locate, 0, 0, fallback)
+
+    def distances(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Distances from each anchor to its episode's first and last records, as TorchRL's.
+
+        ``anchor``: time rows (1-D storage, any shape) or ``[B, ndim]`` coordinates.
+        Returns two ``long`` tensors on ``anchor``'s device: ``[B]`` for coordinates, shaped
+        like ``anchor`` for time rows. ``O(B x log(trajectories))``.
+        """
+        lanes = self._lanes
+        if lanes:
+            if anchor.ndim != 2 or anchor.shape[-1] != 1 + len(lanes):
+                return self._fallback().distances(anchor)  # TorchRL's error
+            time = anchor[:, 0]
+        else:
+            time = anchor
+        if self._locate is None:
+            start = torch.remainder(time - self._start, self.length)
+            stop = torch.remainder(self._stop - time, self.length)
+            return start.to(torch.long), stop.to(torch.long)
+        host = anchor.detach().to("cpu", torch.long).numpy()
+        rows = host[:, 0] if lanes else host.reshape(-1)
+        if lanes:
+            coords = host[:, 1:]
+            if (coords < 0).any() or (coords >= np.array(lanes)).any():
+                return self._fallback().distances(anchor)
+            columns = np.ravel_multi_index(tuple(coords.T), lanes)
+        else:
+            columns = np.zeros(rows.shape, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.length):
+            return self._fallback().distances(anchor)  # rows never written: TorchRL's answer
+        start, span = self._locate(rows, columns)
+        from_start = np.remainder(rows - start, self.length)
+        to_stop = np.remainder(start + span - 1 - rows, self.length)
+        shape = time.shape
+        return (
+            torch.from_numpy(from_start).reshape(shape).to(anchor.device),
+            torch.from_numpy(to_stop).reshape(shape).to(anchor.device),
+        )
+
+
+def _episode_boundaries(storage: Any, done_key: Any, device: Any) -> Any:
+    """:class:`IndexedBoundaries` where the index serves, else TorchRL's object."""
+    boundaries = IndexedBoundaries.for_storage(storage, done_key, device)
+    if boundaries is None:
+        return torchrl_episode_boundaries(storage, done_key, device)
+    return boundaries
+
+
+def _boundary_index(storage: Any, done_key: Any, device: Any, make: Callable[[], Any]) -> Any:
+    """``_ReplayBoundaryIndex(...)`` inside TorchRL's ``expand`` (see ``_torchrl``)."""
+    boundaries = IndexedBoundaries.for_storage(storage, done_key, device)
+    return make() if boundaries is None else boundaries
+
+
+class _IndexedUnit:
+    """The episode-boundary hook of fastreplay's units (TorchRL's ``_episode_boundaries``)."""
+
+    @staticmethod
+    def _episode_boundaries(storage: Any, done_key: Any, device: Any) -> Any:
+        """Episode boundaries of ``storage`` read from ``done_key``, from the shared index.
+
+        ``O(1)`` when nothing was written since the last call, ``O(rows written)`` after
+        writes fastreplay's buffers reported, ``O(items stored)`` once after other writes;
+        TorchRL's own object where the index cannot serve.
+        """
+        return _episode_boundaries(storage, done_key, device)
+
+
+_fast_classes: dict[type, Any] = {}  # TorchRL's unit class -> fastreplay's
+
+if TorchRLSequence is not None:
+    _SEQUENCE_EXPAND = episode_boundaries_expand(_boundary_index)
+
+    class Sequence(_IndexedUnit, TorchRLSequence):
+        """TorchRL's ``Sequence`` sample unit, with its episode boundaries kept per write.
+
+        Same arguments, records, masks, info entries and random draws as
+        :class:`torchrl.data.replay_buffers.Sequence` (it runs TorchRL's ``expand``), but the
+        boundaries come from fastreplay's trajectory index instead of a scan of the whole
+        ``done_key`` entry after every write. In fastreplay's buffers an ``expand`` costs
+        ``O(batch x (burn_in + length + bootstrap) + batch x log(trajectories))`` plus
+        ``O(rows written since the last sample)``; in TorchRL's buffers, which report no
+        writes, the index rebuilds once after each write (``O(items stored)``, as TorchRL's).
+
+        Args:
+            length: the learning region's length.
+            episode_boundary: ``"pad"``, ``"stop"`` or ``"include_reset"``.
+            done_key: the end-of-episode flag; ``None``: one episode per column, bounded by
+                the write seam (no index needed).
+            burn_in: records before the anchor.
+            bootstrap: records after the learning region.
+            dilation: storage records between consecutive window records.
+
+        Raises:
+            ValueError: as TorchRL's (a non-positive ``length`` or ``dilation``, a negative
+                ``burn_in`` or ``bootstrap``, an unknown ``episode_boundary``).
+
+        Example:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from torchrl.data import LazyTensorStorage
+            >>> from fastreplay import Sequence, TensorDictReplayBuffer
+            >>> rb = TensorDictReplayBuffer(
+            ...     storage=LazyTensorStorage(10), batch_size=2,
+            ...     sample_unit=Sequence(length=2, burn_in=1, bootstrap=1),
+            ... )
+            >>> done = torch.zeros(10, 1, dtype=torch.bool)
+            >>> done[4] = done[9] = True
+            >>> _ = rb.extend(TensorDict(
+            ...     {"obs": torch.arange(10), ("next", "done"): done}, batch_size=[10]
+            ... ))
+            >>> index, info = rb._sample_unit.expand(torch.tensor([5]), {}, rb.storage)
+            >>> index.tolist(), info["validity_mask"].tolist()
+            ([5, 5, 6, 7], [False, True, True, True])
+        """
+
+        if _SEQUENCE_EXPAND is not None:
+            expand = _SEQUENCE_EXPAND
+
+    _fast_classes[TorchRLSequence] = Sequence
+    __all__ += ["Sequence"]
+
+if TorchRLSubgoalTriplet is not None and HAS_EPISODE_BOUNDARIES:
+
+    class SubgoalTriplet(_IndexedUnit, TorchRLSubgoalTriplet):
+        """TorchRL's ``SubgoalTriplet`` sample unit, with its episode boundaries kept per write.
+
+        Same arguments and results as TorchRL's (it runs TorchRL's ``expand``, the same
+        random draws from the storage's generator), with the boundaries of
+        :class:`Sequence`: ``O(batch x log(trajectories))`` per ``expand`` plus the rows
+        written since the last one, in fastreplay's buffers.
+
+        Keyword Args:
+            goal_discount: the goal offset's distribution (geometric, or ``None``: uniform).
+            policy_goal_discount: the same for the policy goal.
+            done_key: the end-of-episode flag.
+
+        Example:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from torchrl.data import LazyTensorStorage
+            >>> from fastreplay import SubgoalTriplet, TensorDictReplayBuffer
+            >>> done = torch.zeros(20, 1, dtype=torch.bool)
+            >>> done[9] = done[19] = True
+            >>> rb = TensorDictReplayBuffer(
+            ...     storage=LazyTensorStorage(20), batch_size=8,
+            ...     sample_unit=SubgoalTriplet(goal_discount=0.9),
+            ... )
+            >>> _ = rb.extend(TensorDict(
+            ...     {"step": torch.arange(20), ("next", "done"): done}, batch_size=[20]
+            ... ))
+            >>> state, subgoal, goal, _ = rb.sample().unflatten(0, (8, 4))["step"].unbind(-1)
+            >>> bool(((state <= subgoal) & (subgoal < goal)).all())
+            True
+        """
+
+    _fast_classes[TorchRLSubgoalTriplet] = SubgoalTriplet
+    __all__ += ["SubgoalTriplet"]
+
+
+_SHADOWS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def fast_unit(unit: Any) -> Any:
+    """The unit a fastreplay buffer expands with: ``unit``, or its fastreplay twin.
+
+    An instance of exactly TorchRL's ``Sequence``/``SubgoalTriplet`` gets a twin of
+    fastreplay's class that shares its attribute dictionary (an attribute set on either is
+    seen by both; ``unit`` itself is not changed), cached per unit. Any other unit is
+    returned as is. O(1).
+    """
+    if unit is None:
+        return None
+    cls = _fast_classes.get(type(unit))
+    if cls is None:
+        return unit
+    twin = _SHADOWS.get(unit)
+    if twin is None:
+        twin = cls.__new__(cls)
+        twin.__dict__ = unit.__dict__
+        _SHADOWS[unit] = twin
+    return twin
+
+
+def is_fast_unit(unit: Any) -> bool:
+    """Whether ``unit`` is one of fastreplay's units (its expansion is TorchRL's code)."""
+    return type(unit) in _fast_classes.values()
