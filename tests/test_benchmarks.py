@@ -772,13 +772,17 @@ def test_staleness_scenario_small_run_is_correct(tmp_path: Path) -> None:
         "5.001k stored, 7 versions, consumer +1",
     ]
     assert all(r["correct"] and r["speedup"] > 0 for r in payload["results"])
+
+
 def test_sequence_scenario_small(tmp_path: Path, capsys) -> None:
     """The sequence scenario, small: both cases run, and fastreplay's agrees with TorchRL's."""
     argv = ["--only", "sequence", "--seq-capacity", "5001", "--seq-episode", "70"]
     assert main([*argv, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
     cases = [r["case"] for r in payload["results"]]
     assert cases == [
         "static sample, 5.001k",
         "online step (extend 1000, sample, update priorities), 5.001k",
+    ]
     assert all(r["correct"] and r["torchrl_s"] > 0 for r in payload["results"])
     capsys.readouterr()
