@@ -226,6 +226,22 @@ class PerFloor:
             self.tsum[at : at + nodes] = block_sum.reshape(-1, self.b).sum(axis=1)
             self.tmin[at : at + nodes] = block_min.reshape(-1, self.b).min(axis=1)
 
+    def write(self, new: np.ndarray) -> np.ndarray:
+        """The step's row write alone, in NumPy (for the checks); returns the rows written."""
+        cursor, size, max_p = int(self.state[0]), int(self.state[1]), self.state[2]
+        rows = (cursor + np.arange(len(new))) % self.capacity
+        self.obs[rows] = new
+        self.tsum[rows] = self.tmin[rows] = _mass(max_p, self.eps, self.alpha)
+        _propagate_numpy(self.tsum, self.tmin, self.offsets, self.b, rows)
+        self.state[:2] = ((cursor + len(new)) % self.capacity, min(size + len(new), self.capacity))
+        return rows
+
+    def update(self, index: np.ndarray, priority: np.ndarray) -> None:
+        """The step's leaf updates alone, in NumPy (for the checks); the last write wins."""
+        self.tsum[index] = self.tmin[index] = _mass(priority, self.eps, self.alpha)
+        _propagate_numpy(self.tsum, self.tmin, self.offsets, self.b, index)
+        self.state[2] = max(self.state[2], float(np.max(priority)))
+
     def step(self, new: np.ndarray) -> None:
         """One PER step (see the module docstring); the sample lands in ``out_*``."""
         if numba is not None:
