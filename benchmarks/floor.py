@@ -135,7 +135,8 @@ def _gather_runs_compiled(source, starts, length, out):  # pragma: no cover - co
 
 def _mass(priority: Any, eps: float, alpha: float) -> Any:
     """``(p + eps) ** alpha`` rounded to float32, as TorchRL's default float32 trees hold it."""
-    return np.asarray((priority + eps) ** alpha).astype(np.float32).astype(np.float64)
+    mass = (np.asarray(priority, dtype=np.float64) + eps) ** alpha
+    return mass.astype(np.float32).astype(np.float64)
 
 
 def _propagate_numpy(tsum, tmin, offsets, b, leaves) -> None:

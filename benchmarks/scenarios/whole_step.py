@@ -512,7 +512,7 @@ def _slice(args: argparse.Namespace) -> list[Result]:
         },
         repeats=max(5, 3 * args.repeats),
     )
-    floor_ok = floor.matches_samples()
+    floor_ok = floor.matches_samples(rb)
 
     # Every online call writes the same new rows into both buffers: the other buffer's copy
     # in the untimed setup. Their contents then stay identical for the final check.
@@ -647,14 +647,23 @@ class SliceFloor:
         self.cursor = (self.cursor + 1000) % self.capacity
         self.gather()
 
-    def matches_samples(self) -> bool:
-        """Before any write: the floor's runs hold fastreplay's samples, field by field."""
+    def matches_samples(self, rb) -> bool:
+        """Before any write: the floor gathered the stored rows of fastreplay's samples.
+
+        Field by field against the storage at each sample's index, and against the sample
+        itself for the fields the sampler leaves as stored (it sets ``("next", "done")`` at
+        the slices' ends).
+        """
         ok = True
+        stored = rb.storage._storage
         for turn, sample in enumerate(self.samples):
             self.turn = turn
             self.gather()
             for key in self.keys:
-                ok &= np.array_equal(self.out[key], self.as_rows(sample[key].numpy()))
+                rows = stored[key][sample["index"]].numpy()
+                ok &= np.array_equal(self.out[key], self.as_rows(rows))
+                if key != _DONE:
+                    ok &= np.array_equal(self.out[key], self.as_rows(sample[key].numpy()))
         return bool(ok)
 
     def gathered_its_rows(self) -> bool:
