@@ -28,9 +28,15 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def fmt_ratio(value: float | None, undefined: str = "n/a") -> str:
-    """``12.3x``; ``undefined`` (say why) where :func:`ratio` gave ``None``."""
+    """``12.3x``, ``0.015x`` below 0.1; ``undefined`` (say why) where :func:`ratio` gave ``None``.
+
+    Two significant digits below 0.1, so that a ratio such as a start-up's 0.015x is not
+    shown as ``0.0x``.
+    """
     if value is None or math.isnan(value):
         return undefined
+    if 0 < value < 0.1:
+        return f"{value:.2g}x"
     return f"{value:,.1f}x"
 
 

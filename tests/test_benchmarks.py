@@ -389,6 +389,7 @@ def test_ratio_with_zero_or_missing_denominator_is_undefined_not_huge() -> None:
     assert ratio(None, 1.0) is None and ratio(1.0, None) is None
     assert fmt_ratio(ratio(67_330_048.0, 0), "n/a: nothing measured") == "n/a: nothing measured"
     assert fmt_ratio(ratio(3.0, 2.0)) == "1.5x"
+    assert fmt_ratio(0.0152) == "0.015x" and fmt_ratio(0.099) == "0.099x"  # not 0.0x
     assert Result("s", "c", 0.0, 1.0, True).speedup is None
 
 
@@ -895,3 +896,26 @@ def test_the_floor_check_catches_a_tree_that_is_not_updated(monkeypatch) -> None
 
     monkeypatch.setattr(floor, "_propagate_numpy", lambda *args: None)
     assert not whole_step._floor_agrees(3)
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_startup_row_times_a_fresh_process_on_each_side(tmp_path: Path) -> None:
+    argv = ["--only", "startup", "--startup-cases", "warm", "--startup-runs", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    numba = importlib.util.find_spec("numba") is not None
+    suffix = "warm numba cache" if numba else "no numba"
+    assert row["case"] == f"import + PER buffer + first extend/sample/update_priority, {suffix}"
+    assert row["correct"] and row["fastreplay_s"] > 0 and row["extra"]["dependencies_s"] > 0
+    assert row["extra"]["numba_imported"] == numba
+    assert (row["torchrl_s"] is not None) == harness.environment()["torchrl_compiled_extension"]
+
+
+def test_startup_sides_must_draw_the_same_sample() -> None:
+    from benchmarks.scenarios import startup
+
+    ours = {"index": [3, 1], "weight": [1.0, 0.5]}
+    assert startup._agree(ours, {"index": [3, 1], "weight": [1.0, 0.5000001]})
+    assert not startup._agree(ours, {"index": [3, 2], "weight": [1.0, 0.5]})
+    assert not startup._agree(ours, {"index": [3, 1], "weight": [1.0, 0.6]})
+    assert startup._agree(ours, None) and not startup._agree({**ours, "index": [16, 1]}, None)
