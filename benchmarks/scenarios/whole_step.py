@@ -3,24 +3,29 @@
 With fast samplers, the TensorDict work around them (writing rows into the storage, reading
 the sampled rows back, adding ``index`` and the weights) is most of a step. Cases:
 
-* ``PER step``: ``extend`` 16 rows of ``obs[4]``, ``sample(256)`` with importance weights,
-  ``update_priority`` of those 256, on a buffer filled with random priorities (``--step-per-
-  capacity``, 1M and 10M by default). Sides: TorchRL's ``TensorDictReplayBuffer`` with its
-  compiled ``PrioritizedSampler``; fastreplay's ``TensorDictReplayBuffer`` with its
-  ``PrioritizedSampler`` through its direct path and, on the same buffer, through TorchRL's
-  general path (``general path`` rows: what the direct path saves); cpprb's
-  ``PrioritizedReplayBuffer`` when cpprb is installed (``pip install cpprb``; its times are
-  printed and stored in ``results.json`` as ``extra.cpprb_s``).
+* ``PER step``, fastreplay buffer: as TorchRL's losses and trainers drive PER, on buffers built
+  with ``priority_key="td_error"`` and filled with random priorities (``--step-per-capacity``,
+  1M and 10M by default): ``extend`` 16 rows of ``obs[4]``, ``sample()`` (256, with importance
+  weights), the loss writes ``td_error``, ``update_tensordict_priority`` of the sample; and the
+  same step with ``update_priority(index, p)`` (its own rows). Sides: TorchRL's
+  ``TensorDictReplayBuffer`` with its compiled ``PrioritizedSampler``; fastreplay's
+  ``TensorDictReplayBuffer`` with its ``PrioritizedSampler`` through its direct path and, on the
+  same buffer, through TorchRL's general path (``general path`` rows: what the direct path
+  saves); cpprb's ``PrioritizedReplayBuffer`` (``add``, ``sample``, ``update_priorities``) when
+  cpprb is installed (``pip install cpprb``); the floor (:mod:`benchmarks.floor`); the sampler's
+  calls alone on bare tensors (``results.json``).
 * ``slice``: ``SliceSampler`` with 256 slices of 32 on a storage of ``obs[4]``, ``action``,
   ``reward``, ``episode`` and ``("next", "done")`` (``--step-slice-capacity`` /
   ``--step-slice-stored``, episodes of ``--step-slice-episode`` steps): ``static`` (no writes
   between samples; TorchRL with ``cache_values=True``) and ``online`` (``extend`` 1,000 rows
-  then ``sample``).
+  then ``sample``), with the floor's gather of the same runs (and write of 1,000 rows).
 
 All calls of one case are interleaved in one process. Correct: every side's sample holds the
 stored rows at its indices with valid weights or trajectories; for the same seed fastreplay's
 direct and general paths give identical samples (keys, dtypes, values, ``info``) and leave
-identical buffer state, and fastreplay's slice samples are identical to TorchRL's.
+identical buffer state, with either way of writing priorities back; fastreplay's slice samples
+are identical to TorchRL's; the floor's trees, rows and weights are fastreplay's and brute
+force's (see :func:`_floor_agrees`).
 """
 
 from __future__ import annotations

@@ -77,15 +77,15 @@ def warm() -> dict[str, int]:
 
 def main() -> int:
     """Warm the cache and say what was compiled, where, and how long it took."""
-    from fastreplay._core.numba_jit import numba
-
     start = time.perf_counter()
     kernels = warm()
     seconds = time.perf_counter() - start
     if not kernels:
         print("numba is not installed: fastreplay uses its pure-torch trees, nothing to compile")
         return 0
-    where = numba.config.CACHE_DIR or "__pycache__ next to fastreplay's kernels (or user cache)"
+    from fastreplay._core.trees import numba_kernels
+
+    where = numba_kernels._sample.stats.cache_path  # where numba wrote (or found) the kernels
     print(
         f"{len(kernels)} numba kernels ready in {seconds:.1f} s ({sum(kernels.values())} "
         f"signatures; numba cache: {where})"
