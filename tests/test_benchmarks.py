@@ -848,16 +848,24 @@ def test_small_whole_step_run_times_cpprb_and_the_floor(tmp_path: Path, capsys) 
     assert main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    from benchmarks.floor import KIND
+
+    note = "" if KIND == "numba" else " (floor: NumPy, no numba)"  # the rows say which floor
     assert [r["case"] for r in rows] == [
-        "PER step, fastreplay buffer (extend 16, sample 256, td_error, "
-        "update_tensordict_priority), 2.001k",
-        "PER step, fastreplay buffer, general path, 2.001k",
-        "PER step, fastreplay buffer, update_priority(index, p), 2.001k",
-        "slice static, fastreplay buffer, 20.001k/15k ep1000",
-        "slice static, fastreplay buffer, general path, 20.001k/15k ep1000",
-        "slice online (extend 1000 + sample), fastreplay buffer, 20.001k/15k ep1000",
-        "slice online (extend 1000 + sample), fastreplay buffer, general path, 20.001k/15k ep1000",
+        case + note
+        for case in (
+            "PER step, fastreplay buffer (extend 16, sample 256, td_error, "
+            "update_tensordict_priority), 2.001k",
+            "PER step, fastreplay buffer, general path, 2.001k",
+            "PER step, fastreplay buffer, update_priority(index, p), 2.001k",
+            "slice static, fastreplay buffer, 20.001k/15k ep1000",
+            "slice static, fastreplay buffer, general path, 20.001k/15k ep1000",
+            "slice online (extend 1000 + sample), fastreplay buffer, 20.001k/15k ep1000",
+            "slice online (extend 1000 + sample), fastreplay buffer, general path, "
+            "20.001k/15k ep1000",
+        )
     ]
+    assert {r["extra"]["floor_kind"] for r in rows} == {KIND}
     cpprb = importlib.util.find_spec("cpprb") is not None
     for r in rows:
         assert r["correct"] and r["extra"]["floor_correct"], r["case"]
