@@ -320,6 +320,8 @@ def plot(
                 ha="left" if right else "right",
                 fontsize=8,
                 clip_on=True,
+                zorder=4,  # over the cpprb and floor markers, which it may cross
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.5},
             )
         title = textwrap.shorten(f"{scenario}: {descriptions.get(scenario, '')}", 110)
         rates = {r.speedup_definition for r in items if r.rate_unit}
