@@ -763,6 +763,10 @@ def _case_line(r: Result) -> str:
         f"fastreplay {report.fmt_measure(r.fastreplay_s, r.rate_unit):>10}  "
         f"speedup {fmt_ratio(r.speedup):>9}  {'ok' if r.correct else 'WRONG'}"
     )
+    if r.cpprb_s is not None:
+        line += f"  cpprb {report.fmt_s(r.cpprb_s)} (vs cpprb {fmt_ratio(r.vs_cpprb)})"
+    if r.floor_s is not None:
+        line += f"  floor {report.fmt_s(r.floor_s)} (fastreplay/floor {fmt_ratio(r.over_floor)})"
     return line + (f"  (speedup = {r.speedup_definition})" if r.rate_unit else "")
 
 
@@ -822,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": elapsed,
         "scenarios": loads,
         "not_measured": not_measured,
-        "results": [asdict(r) | {"speedup": r.speedup} for r in results],
+        "results": [asdict(r) | r.ratios() for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     text = report.report(payload)

@@ -15,15 +15,37 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.results import Result, fmt_load, fmt_ratio
+from benchmarks.results import Result, fmt_load, fmt_ratio, ratio
 
 README_BEGIN = "<!-- benchmark-results:begin (written by python -m benchmarks --write-readme) -->"
 README_END = "<!-- benchmark-results:end -->"
 TABLE_HEADER = (
-    "| scenario | case | TorchRL | fastreplay | speedup | correct | machine |",
-    "|---|---|---|---|---|---|---|",
+    "| scenario | case | TorchRL | cpprb | floor | fastreplay | speedup | vs cpprb "
+    "| fastreplay/floor | correct | machine |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+)
+REFERENCE_NOTE = (
+    "cpprb: cpprb's time on the same workload, where it was timed; vs cpprb = cpprb time / "
+    "fastreplay time (above 1: fastreplay is faster). floor: the simplest code that moves the "
+    "same rows and touches the same tree cells (NumPy arrays, no TensorDict, no TorchRL; see "
+    "docs/benchmarks.md); fastreplay/floor = fastreplay time / floor time (1: as fast as that "
+    "code; below 1: faster, where fastreplay's kernels overlap their cache misses and the "
+    "floor's do not)."
 )
 PARITY = 0.1  # speedups within 1 +/- PARITY count as the same speed in the plot
+# the plot's markers for the other references, at TorchRL time / their time
+MARKERS: dict[str, dict[str, Any]] = {
+    "cpprb": {"marker": "D", "s": 28, "c": "#264653"},
+    "floor": {"marker": "^", "s": 36, "c": "#7b2cbf"},
+}
+MARK_LABELS = {
+    "cpprb": "cpprb (TorchRL time / cpprb time)",
+    "floor": "floor (TorchRL time / floor time)",
+}
+
+
+def _legend_style(style: Mapping[str, Any]) -> dict[str, Any]:
+    return {"marker": style["marker"], "color": style["c"], "markersize": 6}
 
 
 def machine_line(env: Mapping[str, Any]) -> str:
@@ -106,8 +128,10 @@ def markdown_table(results: list[Result], busy: Mapping[str, bool] | None = None
         machine = "**busy**" if busy.get(r.scenario) else "quiet"
         lines.append(
             f"| {r.scenario} | {r.case} | {fmt_measure(r.torchrl_s, r.rate_unit)} "
+            f"| {fmt_s(r.cpprb_s)} | {fmt_s(r.floor_s)} "
             f"| {fmt_measure(r.fastreplay_s, r.rate_unit)} "
-            f"| {fmt_ratio(r.speedup)} | {'yes' if r.correct else 'NO'} | {machine} |"
+            f"| {fmt_ratio(r.speedup)} | {fmt_ratio(r.vs_cpprb)} | {fmt_ratio(r.over_floor)} "
+            f"| {'yes' if r.correct else 'NO'} | {machine} |"
         )
     return "\n".join(lines)
 
@@ -142,6 +166,8 @@ def report(payload: Mapping[str, Any]) -> str:
     note = speedup_note(results)
     if note:
         lines += ["", note]
+    if any(r.cpprb_s is not None or r.floor_s is not None for r in results):
+        lines += ["", REFERENCE_NOTE]
     skipped = payload.get("not_measured") or {}
     if skipped:
         lines += [""] + [f"- {name}: not measured: {why}" for name, why in skipped.items()]
@@ -199,6 +225,10 @@ def plot(
 ) -> bool:
     """Speedup bars from 1x on a log scale, one panel per scenario.
 
+    Where a case timed cpprb or a floor, a marker on its row shows TorchRL time / their time
+    on the same axis (the gap to the bar is fastreplay's ratio to them), and the bar's label
+    gives ``vs cpprb`` and fastreplay's multiple of the floor.
+
     Returns:
         False, writing nothing, where :func:`plot_skip_reason` gives a reason.
     """
@@ -208,6 +238,7 @@ def plot(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -215,6 +246,8 @@ def plot(
     rows = [r for r in results if r.speedup is not None]
     scenarios = list(dict.fromkeys(r.scenario for r in rows))
     per = {s: [r for r in rows if r.scenario == s] for s in scenarios}
+    index = {s: [k for k, r in enumerate(rows) if r.scenario == s] for s in scenarios}
+    marked: set[str] = set()
     colors = {"faster": "#2a9d8f", "parity": "#9e9e9e", "slower": "#e76f51"}
 
     def kind(v: float) -> str:
@@ -222,7 +255,12 @@ def plot(
             return "faster"
         return "slower" if v < 1 - PARITY else "parity"
 
-    values = [r.speedup for r in rows]
+    # cpprb and the floor on the same axis: TorchRL time / their time, a marker on the row
+    marks = {
+        "cpprb": [ratio(r.torchrl_s, r.cpprb_s) for r in rows],
+        "floor": [ratio(r.torchrl_s, r.floor_s) for r in rows],
+    }
+    values = [r.speedup for r in rows] + [v for vs in marks.values() for v in vs if v]
     lo = min(min(values), 1.0) / 3.0
     hi = max(max(values), 1.0) * 6.0
     heights = [len(per[s]) * 0.36 + 0.9 for s in scenarios]
@@ -254,6 +292,11 @@ def plot(
         )
         # a tick at each value: a bar from 1x to about 1x has no visible length
         ax.scatter(vals, y, marker="|", s=160, linewidths=2, c=[colors[kind(v)] for v in vals])
+        for name, style in MARKERS.items():
+            at = [(m, i) for i, m in enumerate(marks[name][k] for k in index[scenario]) if m]
+            if at:
+                ax.scatter(*zip(*at, strict=True), zorder=3, **style)
+                marked.add(name)
         ax.axvline(1.0, color="black", linewidth=0.9)
         ax.set_yticks(y, [r.case for r in items], fontsize=8)
         ax.set_ylim(len(items) - 0.5, -0.5)
@@ -265,14 +308,21 @@ def plot(
         ax.set_axisbelow(True)
         for i, v in enumerate(vals):
             right = v >= 1.0
+            label = f"{v:.2f}x" if v < 10 else fmt_ratio(v)  # 0.88x is not 0.9x near parity
+            if items[i].vs_cpprb is not None:
+                label += f"; vs cpprb {items[i].vs_cpprb:.2f}x"
+            if items[i].over_floor is not None:
+                label += f"; {items[i].over_floor:.2f}x the floor"
             ax.text(
                 v * (1.08 if right else 1 / 1.08),
                 i,
-                f"{v:.2f}x" if v < 10 else fmt_ratio(v),  # 0.88x is not 0.9x near parity
+                label,
                 va="center",
                 ha="left" if right else "right",
                 fontsize=8,
                 clip_on=True,
+                zorder=4,  # over the cpprb and floor markers, which it may cross
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 0.5},
             )
         title = textwrap.shorten(f"{scenario}: {descriptions.get(scenario, '')}", 110)
         rates = {r.speedup_definition for r in items if r.rate_unit}
@@ -291,6 +341,11 @@ def plot(
         Patch(color=colors["parity"], label=f"same speed ({1 - PARITY:g}x to {1 + PARITY:g}x)"),
         Patch(color=colors["slower"], label=f"fastreplay slower (< {1 - PARITY:g}x)"),
     ]
+    handles += [
+        Line2D([], [], linestyle="none", label=MARK_LABELS[name], **_legend_style(MARKERS[name]))
+        for name in MARKERS
+        if name in marked
+    ]
     if any_busy:
         handles.append(
             Patch(facecolor="#cccccc", hatch="///", edgecolor="white", label="busy machine")
@@ -305,7 +360,11 @@ def plot(
         )
     fig.suptitle(title, fontsize=9)
     fig.legend(
-        handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False
+        handles=handles,
+        loc="outside lower center",
+        ncol=min(len(handles), 4),
+        fontsize=8,
+        frameon=False,
     )
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -28,9 +28,15 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def fmt_ratio(value: float | None, undefined: str = "n/a") -> str:
-    """``12.3x``; ``undefined`` (say why) where :func:`ratio` gave ``None``."""
+    """``12.3x``, ``0.015x`` below 0.1; ``undefined`` (say why) where :func:`ratio` gave ``None``.
+
+    Two significant digits below 0.1, so that a ratio such as a start-up's 0.015x is not
+    shown as ``0.0x``.
+    """
     if value is None or math.isnan(value):
         return undefined
+    if 0 < value < 0.1:
+        return f"{value:.2g}x"
     return f"{value:,.1f}x"
 
 
@@ -42,6 +48,12 @@ class Result:
     A throughput case sets ``rate_unit`` (e.g. ``"steps/s"``): its times are then the mean time
     per step (1 / throughput), reports show the throughput itself, and :attr:`speedup` is
     fastreplay's throughput / TorchRL's, the same number.
+
+    Two optional references sit beside TorchRL's time, in seconds per call like it:
+    ``cpprb_s``, cpprb's time on the same workload where cpprb was timed, and ``floor_s``, the
+    time of the simplest code that moves the same rows and touches the same tree cells (no
+    TensorDict, no TorchRL; see ``docs/benchmarks.md``). Both stay ``None`` where a case has
+    no such reference, as in every scenario that does not set them.
     """
 
     scenario: str
@@ -52,6 +64,8 @@ class Result:
     params: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     rate_unit: str | None = None
+    cpprb_s: float | None = None
+    floor_s: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -61,6 +75,20 @@ class Result:
         TorchRL's.
         """
         return ratio(self.torchrl_s, self.fastreplay_s)
+
+    @property
+    def vs_cpprb(self) -> float | None:
+        """The time ratio cpprb / fastreplay (above 1: fastreplay is faster); ``None`` untimed."""
+        return ratio(self.cpprb_s, self.fastreplay_s)
+
+    @property
+    def over_floor(self) -> float | None:
+        """The time ratio fastreplay / floor: how many floors a call costs; ``None`` without one."""
+        return ratio(self.fastreplay_s, self.floor_s)
+
+    def ratios(self) -> dict[str, float | None]:
+        """The derived ratios stored beside the fields in ``results.json``."""
+        return {"speedup": self.speedup, "vs_cpprb": self.vs_cpprb, "over_floor": self.over_floor}
 
     @property
     def speedup_definition(self) -> str:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from benchmarks import harness, report
@@ -388,6 +389,7 @@ def test_ratio_with_zero_or_missing_denominator_is_undefined_not_huge() -> None:
     assert ratio(None, 1.0) is None and ratio(1.0, None) is None
     assert fmt_ratio(ratio(67_330_048.0, 0), "n/a: nothing measured") == "n/a: nothing measured"
     assert fmt_ratio(ratio(3.0, 2.0)) == "1.5x"
+    assert fmt_ratio(0.0152) == "0.015x" and fmt_ratio(0.099) == "0.099x"  # not 0.0x
     assert Result("s", "c", 0.0, 1.0, True).speedup is None
 
 
@@ -422,7 +424,8 @@ def test_report_flags_busy_scenarios() -> None:
     assert "WARNING: the machine was busy" in text and "ppo: load average 3.0 -> 5.9" in text
     rows = [line for line in text.splitlines() if line.startswith("| ppo")]
     assert rows and rows[0].endswith("| **busy** |")
-    assert "| slice | 6M/5M ep50 done online | 7.56 ms | 896 us | 8.4x | yes | quiet |" in text
+    row = "| slice | 6M/5M ep50 done online | 7.56 ms | n/a | n/a | 896 us | 8.4x | n/a | n/a |"
+    assert row + " yes | quiet |" in text
     quiet = report.report(_payload(busy_ppo=False))
     assert "WARNING" not in quiet and "**busy**" not in quiet
 
@@ -452,22 +455,33 @@ def _check_block(block: str) -> None:
     table = [line for line in lines if line.startswith("|")]
     assert tuple(table[:2]) == report.TABLE_HEADER
     specs = scenario_specs()
-    busy_rows = 0
+    busy_rows = references = 0
     for row in table[2:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == 7, row
-        scenario, _case, torchrl, fast, speedup, correct, machine = cells
+        assert len(cells) == 11, row
+        scenario, _case, torchrl, cpprb, floor, fast, speedup, vs_cpprb, over_floor = cells[:9]
+        correct, machine = cells[9:]
         assert scenario in specs and correct == "yes" and machine in ("quiet", "**busy**"), row
         busy_rows += machine == "**busy**"
-        t_torchrl, t_fast = report.parse_measure(torchrl), report.parse_measure(fast)
-        if t_torchrl is None:
-            assert speedup == "n/a"
-            continue
-        shown = float(speedup.rstrip("x").replace(",", ""))
-        # the times are rounded to 3 significant digits (throughputs to 0.1), the speedup to 0.1
-        assert shown == pytest.approx(t_torchrl / t_fast, rel=0.02, abs=0.051), row
+        t_fast = report.parse_measure(fast)
+        # the times are rounded to 3 significant digits (throughputs to 0.1), the ratios to 0.1
+        for numerator, denominator, shown in (
+            (torchrl, fast, speedup),
+            (cpprb, fast, vs_cpprb),
+            (fast, floor, over_floor),
+        ):
+            top, bottom = report.parse_measure(numerator), report.parse_measure(denominator)
+            if top is None or bottom is None:
+                assert shown == "n/a", row
+                continue
+            value = float(shown.rstrip("x").replace(",", ""))
+            assert value == pytest.approx(top / bottom, rel=0.02, abs=0.051), row
         assert ("/s" in torchrl) == ("/s" in fast), row
+        assert "/s" not in cpprb + floor, row  # the references are times per call
+        assert t_fast is not None, row
+        references += cpprb != "n/a" or floor != "n/a"
     assert ("WARNING: the machine was busy" in block) == (busy_rows > 0)
+    assert (report.REFERENCE_NOTE in " ".join(block.split())) == (references > 0)
 
 
 def test_report_format_check_accepts_what_report_writes() -> None:
@@ -480,7 +494,7 @@ def test_report_format_check_accepts_what_report_writes() -> None:
 
 
 def asdict_result(r: Result) -> dict:
-    return vars(r) | {"speedup": r.speedup}
+    return vars(r) | r.ratios()
 
 
 def _throughput_row() -> Result:
@@ -495,7 +509,10 @@ def test_throughput_rows_show_steps_per_s_and_their_ratio() -> None:
     assert row.speedup == pytest.approx(164.0 / 168.0)
     assert row.speedup_definition == "fastreplay steps/s / TorchRL steps/s"
     table = report.markdown_table([row])
-    assert "| scale-out | slice 1 writer, 6M/5M | 168.0 steps/s | 164.0 steps/s | 1.0x |" in table
+    cells = (
+        "| scale-out | slice 1 writer, 6M/5M | 168.0 steps/s | n/a | n/a | 164.0 steps/s | 1.0x |"
+    )
+    assert cells in table
     payload = _payload()
     payload["results"].append(asdict_result(row))
     payload["scenarios"]["scale-out"] = payload["scenarios"]["slice"]
@@ -607,7 +624,7 @@ def test_scale_out_speedup_is_the_ratio_of_the_steps_per_s_it_prints(
     assert "TorchRL 168.0 steps/s" in line and "fastreplay 164.0 steps/s" in line
     assert re.search(r"speedup +1\.0x  ok", line), line
     assert "(speedup = fastreplay steps/s / TorchRL steps/s)" in line
-    assert "| 168.0 steps/s | 164.0 steps/s | 1.0x |" in out
+    assert "| 168.0 steps/s | n/a | n/a | 164.0 steps/s | 1.0x | n/a | n/a |" in out
     (row,) = json.loads((tmp_path / "results.json").read_text())["results"]
     assert row["speedup"] == pytest.approx(164 / 168) and row["rate_unit"] == "steps/s"
     assert row["extra"]["fastreplay_median_step_s"] == 3.9e-3  # kept beside the throughput
@@ -786,3 +803,153 @@ def test_sequence_scenario_small(tmp_path: Path, capsys) -> None:
     ]
     assert all(r["correct"] and r["torchrl_s"] > 0 for r in payload["results"])
     capsys.readouterr()
+
+
+# --------------------------------------------------------------------------- cpprb and the floor
+
+
+def _referenced_row() -> Result:
+    return Result(
+        "whole_step",
+        "PER step, fastreplay buffer, 1M",
+        0.5e-3,
+        2.5e-3,
+        True,
+        cpprb_s=1e-3,
+        floor_s=0.2e-3,
+    )
+
+
+def test_reference_columns_show_cpprb_and_the_floor_with_their_ratios() -> None:
+    row = _referenced_row()
+    assert row.vs_cpprb == pytest.approx(2.0) and row.over_floor == pytest.approx(2.5)
+    assert row.ratios() == {"speedup": 5.0, "vs_cpprb": 2.0, "over_floor": 2.5}
+    assert Result("s", "c", 1.0, None, True).ratios() == {
+        "speedup": None,
+        "vs_cpprb": None,
+        "over_floor": None,
+    }
+    table = report.markdown_table([row])
+    expected = "| 2.50 ms | 1.00 ms | 200 us | 500 us | 5.0x | 2.0x | 2.5x | yes | quiet |"
+    assert expected in table
+    payload = _payload()
+    payload["command"] += " --write-readme"
+    assert report.REFERENCE_NOTE not in report.report(payload)
+    payload["results"].append(asdict_result(row))
+    payload["scenarios"]["whole_step"] = payload["scenarios"]["slice"]
+    text = report.report(payload)
+    assert report.REFERENCE_NOTE in text
+    _check_block(text)
+    # a ratio that does not follow its times is caught
+    with pytest.raises(AssertionError):
+        _check_block(text.replace("| 2.0x | 2.5x |", "| 2.0x | 3.5x |"))
+
+
+def test_plot_marks_cpprb_and_the_floor(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    markers: list[str | None] = []
+    scatter = Axes.scatter
+
+    def spy(self, *args, **kwargs):
+        markers.append(kwargs.get("marker"))
+        return scatter(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "scatter", spy)
+    payload = _payload()
+    results = [Result(**report._result_fields(r)) for r in payload["results"]]
+    assert report.plot(results, tmp_path / "plain.png", env=payload["environment"])
+    assert set(markers) == {"|"}  # no reference: the value ticks only
+    markers.clear()
+    path = tmp_path / "results.png"
+    assert report.plot([*results, _referenced_row()], path, env=payload["environment"])
+    assert {"D", "^"} <= set(markers) and path.stat().st_size > 10_000
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_small_whole_step_run_times_cpprb_and_the_floor(tmp_path: Path, capsys) -> None:
+    argv = ["--only", "whole_step", "--step-per-capacity", "2001", "--repeats", "1"]
+    argv += ["--step-slice-capacity", "20001", "--step-slice-stored", "15000"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    from benchmarks.floor import KIND
+
+    note = "" if KIND == "numba" else " (floor: NumPy, no numba)"  # the rows say which floor
+    assert [r["case"] for r in rows] == [
+        case + note
+        for case in (
+            "PER step, fastreplay buffer (extend 16, sample 256, td_error, "
+            "update_tensordict_priority), 2.001k",
+            "PER step, fastreplay buffer, general path, 2.001k",
+            "PER step, fastreplay buffer, update_priority(index, p), 2.001k",
+            "slice static, fastreplay buffer, 20.001k/15k ep1000",
+            "slice static, fastreplay buffer, general path, 20.001k/15k ep1000",
+            "slice online (extend 1000 + sample), fastreplay buffer, 20.001k/15k ep1000",
+            "slice online (extend 1000 + sample), fastreplay buffer, general path, "
+            "20.001k/15k ep1000",
+        )
+    ]
+    assert {r["extra"]["floor_kind"] for r in rows} == {KIND}
+    cpprb = importlib.util.find_spec("cpprb") is not None
+    for r in rows:
+        assert r["correct"] and r["extra"]["floor_correct"], r["case"]
+        assert r["floor_s"] > 0 and r["over_floor"] == pytest.approx(
+            r["fastreplay_s"] / r["floor_s"]
+        )
+        per = r["case"].startswith("PER")
+        assert (r["cpprb_s"] is not None) == (per and cpprb), r["case"]
+        if r["cpprb_s"] is not None:
+            assert r["vs_cpprb"] == pytest.approx(r["cpprb_s"] / r["fastreplay_s"])
+    md = (tmp_path / "results.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| scenario"))
+    assert header == report.TABLE_HEADER[0]
+    assert report.REFERENCE_NOTE in md and "fastreplay/floor" in out
+
+
+def test_the_floor_without_numba_gives_the_same_trees(monkeypatch) -> None:
+    """The pure-NumPy floor passes the same checks as the compiled one."""
+    from benchmarks import floor
+    from benchmarks.scenarios import whole_step
+
+    assert whole_step._floor_agrees(3)
+    monkeypatch.setattr(floor, "numba", None)
+    assert whole_step._floor_agrees(3)
+    source = np.arange(70, dtype=np.int64).reshape(35, 2)
+    starts = np.array([0, 30, 7])  # the second run wraps round the end
+    out = np.empty((12, 2), np.int64)
+    floor.gather_runs(source, starts, 4, out)
+    expected = source[((starts[:, None] + np.arange(4)) % 35).reshape(-1)]
+    assert np.array_equal(out, expected)
+
+
+def test_the_floor_check_catches_a_tree_that_is_not_updated(monkeypatch) -> None:
+    from benchmarks import floor
+    from benchmarks.scenarios import whole_step
+
+    monkeypatch.setattr(floor, "_propagate_numpy", lambda *args: None)
+    assert not whole_step._floor_agrees(3)
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_startup_row_times_a_fresh_process_on_each_side(tmp_path: Path) -> None:
+    argv = ["--only", "startup", "--startup-cases", "warm", "--startup-runs", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    numba = importlib.util.find_spec("numba") is not None
+    suffix = "warm numba cache" if numba else "no numba"
+    assert row["case"] == f"import + PER buffer + first extend/sample/update_priority, {suffix}"
+    assert row["correct"] and row["fastreplay_s"] > 0 and row["extra"]["dependencies_s"] > 0
+    assert row["extra"]["numba_imported"] == numba
+    assert (row["torchrl_s"] is not None) == harness.environment()["torchrl_compiled_extension"]
+
+
+def test_startup_sides_must_draw_the_same_sample() -> None:
+    from benchmarks.scenarios import startup
+
+    ours = {"index": [3, 1], "weight": [1.0, 0.5]}
+    assert startup._agree(ours, {"index": [3, 1], "weight": [1.0, 0.5000001]})
+    assert not startup._agree(ours, {"index": [3, 2], "weight": [1.0, 0.5]})
+    assert not startup._agree(ours, {"index": [3, 1], "weight": [1.0, 0.6]})
+    assert startup._agree(ours, None) and not startup._agree({**ours, "index": [16, 1]}, None)

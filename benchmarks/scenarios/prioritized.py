@@ -6,11 +6,13 @@ compiled extension for the TorchRL side; without it only fastreplay is timed.
 
 Cases per capacity (``--per-capacity``, 1M and 10M by default; 100M on request):
 
-* ``extend 16``: ``TensorDictReplayBuffer.extend`` of 16 items (new items get the default
-  priority through ``mark_update``);
+* ``extend 16``: TorchRL's ``TensorDictReplayBuffer.extend`` of 16 items, with each side's
+  sampler in it (new items get the default priority through ``mark_update``);
 * ``sample(256)``: ``sampler.sample(storage, 256)``;
 * ``update_priority(256)``: ``sampler.update_priority`` of 256 random slots;
-* ``online PER step``: extend 16, sample 256 through the buffer, update those 256 priorities;
+* ``online PER step``: extend 16, sample 256 through the buffer, update those 256 priorities,
+  in TorchRL's ``TensorDictReplayBuffer`` with each side's sampler in it (the rows say
+  "fastreplay sampler in TorchRL's buffer"; ``whole_step`` times fastreplay's own buffer);
 * ``update_priority(all)``: one call writing every slot in random order, in a fresh process
   per side, with its peak extra resident memory (``VmHWM`` after a reset, minus ``VmRSS``
   before; in ``results.json``);
@@ -193,11 +195,17 @@ def _calls(capacity: int, backends: list[str], repeats: int, torchrl_ok: bool) -
         batch = buffers[name].sample(256)
         correct &= bool(torch.isfinite(batch["priority_weight"]).all())
     label = fmt_count(capacity)
-    results += _results(f"extend 16 (buffer), {label}", ext, correct, params)
+    results += _results(
+        f"extend 16, fastreplay sampler in TorchRL's buffer, {label}", ext, correct, params
+    )
     results += _results(f"sample(256), {label}", smp, correct, params)
     results += _results(f"update_priority(256), {label}", upd, correct, params)
     results += _results(
-        f"online PER step (extend 16, sample 256, update 256), {label}", whole, correct, params
+        f"online PER step, fastreplay sampler in TorchRL's buffer (extend 16, sample 256, "
+        f"update 256), {label}",
+        whole,
+        correct,
+        params,
     )
     del buffers, samplers
     return results
