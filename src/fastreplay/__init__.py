@@ -9,7 +9,12 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
-from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from fastreplay import samplers as _samplers
+from fastreplay.buffers import (
+    HERReplayBuffer,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 from fastreplay.ppo import chunked_log_prob
 from fastreplay.ray_buffer import RayReplayBuffer
 from fastreplay.samplers import (
@@ -18,6 +23,9 @@ from fastreplay.samplers import (
     SliceSampler,
     SliceSamplerWithoutReplacement,
 )
+
+if "StreamingSliceSampler" in _samplers.__all__:  # TorchRL 0.14 and later
+    from fastreplay.samplers import StreamingSliceSampler as StreamingSliceSampler
 
 __version__ = "0.1.0"
 
@@ -31,4 +39,6 @@ __all__ = [
     "PrioritizedSliceSampler",
     "SliceSamplerWithoutReplacement",
     "RayReplayBuffer",
+    "HERReplayBuffer",
+    *(name for name in ("StreamingSliceSampler",) if name in _samplers.__all__),
 ]
