@@ -191,5 +191,7 @@ def test_windows_match_the_boundaries_after_every_write(rows: int, columns: int)
         # the eligibility rings of a few lengths exist from the first write on; others are
         # built lazily mid-run (step 60): both kept in step by every later write
         for k in lengths if step >= 60 else lengths[:3]:
-            expected = [int(np.clip(length[col == c] - k + 1, 0, None).sum()) for c in range(columns)]
+            expected = [
+                int(np.clip(length[col == c] - k + 1, 0, None).sum()) for c in range(columns)
+            ]
             assert index.windows(k).tolist() == expected, (step, k)

@@ -81,7 +81,7 @@ def test_can_sample_answers_as_torchrl(
 @pytest.mark.parametrize("name", SAMPLERS)
 @pytest.mark.parametrize("strict", [True, False])
 def test_counts_follow_every_write_through_wrap_around(name: str, strict: bool) -> None:
-    """Counted after each of many writes (wrapping an odd capacity), in a buffer with the sampler."""
+    """Counted after each of many writes (wrapping an odd capacity), the sampler in a buffer."""
     answers = {}
     for side in ("torchrl", "fastreplay"):
         module = trl if side == "torchrl" else fastreplay

@@ -65,9 +65,7 @@ def _run(
 @pytest.mark.parametrize("capacity", [23, 37])
 @pytest.mark.parametrize("kwargs", [{}, {"traj_key": "traj"}, {"strict_length": False}])
 @pytest.mark.parametrize("in_two", [False, True], ids=["one-write", "extend-in-two"])
-def test_samples_are_torchrl_s(
-    buffer_side: str, capacity: int, kwargs: dict, in_two: bool
-) -> None:
+def test_samples_are_torchrl_s(buffer_side: str, capacity: int, kwargs: dict, in_two: bool) -> None:
     """Queued windows first, then the uniform fallback: index, info and data identical."""
     expected = _run(_sampler("torchrl", **kwargs), "torchrl-buffer", capacity, in_two=in_two)
     got = _run(_sampler("fastreplay", **kwargs), buffer_side, capacity, in_two=in_two)

@@ -177,8 +177,8 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
             or not storage_len(storage)
         ):
             return None
-        data = getattr(storage, "_storage", None)
-        if not is_tensor_collection(data):
+        data: Any = getattr(storage, "_storage", None)
+        if data is None or not is_tensor_collection(data):
             return None
         keys = []
         for key in dict.fromkeys((self.end_key, self._terminated_key())):

@@ -1,4 +1,4 @@
-"""``StreamingSliceSampler``: TorchRL's streaming windows, with fastreplay's slice index behind them.
+"""``StreamingSliceSampler``: TorchRL's streaming windows over fastreplay's slice index.
 
 TorchRL's ``StreamingSliceSampler`` (0.14 and later) queues every completed window of
 ``slice_len`` steps as it is written and returns those first; the rest of a batch comes from its
@@ -23,7 +23,7 @@ __all__ = ["StreamingSliceSampler"] if HAS_STREAMING_SLICE else []
 
 if HAS_STREAMING_SLICE:
 
-    class StreamingSliceSampler(TorchRLStreamingSliceSampler, SliceSampler):  # type: ignore[misc]
+    class StreamingSliceSampler(TorchRLStreamingSliceSampler, SliceSampler):
         """Drop-in ``torchrl.data.StreamingSliceSampler`` flat in capacity.
 
         Same arguments, same queue of fresh windows and, for the same seed, the same indices
