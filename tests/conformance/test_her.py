@@ -211,6 +211,7 @@ def test_empty_and_checkpoints_rebuild(tmp_path: Any) -> None:
     rb.extend(data)
     rb.sample()
     state = rb.state_dict()
+    assert state["_her"]["episode_ends_cache"] is None  # the index serves (docs/migration.md)
     rb.dumps(tmp_path / "rb")
     rb.empty()
     data, first = transitions(12, [3], first)
