@@ -18,6 +18,7 @@ from torchrl.data import LazyTensorStorage
 
 import fastreplay
 from conformance.conftest import episodes
+from conftest import TORCHRL_EXT
 from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._torchrl import HAS_CAN_SAMPLE, HAS_STREAMING_SLICE
 
@@ -35,6 +36,8 @@ SAMPLERS = (
 
 def _make(module: Any, name: str, capacity: int, **kwargs: Any) -> Any:
     if name == "PrioritizedSliceSampler":
+        if module is trl and not TORCHRL_EXT:
+            pytest.skip("TorchRL's PrioritizedSliceSampler needs its compiled extension")
         kwargs.update(max_capacity=capacity, alpha=0.7, beta=0.5)
     return getattr(module, name)(**kwargs)
 

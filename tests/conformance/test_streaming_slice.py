@@ -7,6 +7,7 @@ samples itself). Data: ``obs = traj * 10_000 + step``; a slice crossing an episo
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -47,7 +48,8 @@ def _run(
     rb = make_buffer(
         buffer, "TensorDictReplayBuffer", storage=LazyTensorStorage(capacity), sampler=sampler
     )
-    out, first = [], 0
+    out: list[Any] = []
+    first = 0
     for w in range(16):
         n = 4 + (5 * w) % 20
         data = episodes(n, [7, 2, 11, 4], first_id=first)
@@ -57,9 +59,19 @@ def _run(
         else:
             rb.extend(data)
         for _ in range(samples):
-            batch = rb.sample(4 * SLICE)
-            out.append(batch.clone())
+            with warnings.catch_warnings(record=True) as caught:  # the nightly's short-batch
+                warnings.simplefilter("always")  # warning, with strict_length=False
+                batch = rb.sample(4 * SLICE)
+            out += [batch.clone(), [(w.category, str(w.message)) for w in caught]]
     return out
+
+
+def _assert_same(got: list[Any], expected: list[Any]) -> None:
+    for a, b in zip(got, expected, strict=True):
+        if isinstance(a, list):  # the warnings of one sample
+            assert a == b
+        else:
+            assert_same_tensordict(a, b)
 
 
 @pytest.mark.parametrize("capacity", [23, 37])
@@ -69,10 +81,9 @@ def test_samples_are_torchrl_s(buffer_side: str, capacity: int, kwargs: dict, in
     """Queued windows first, then the uniform fallback: index, info and data identical."""
     expected = _run(_sampler("torchrl", **kwargs), "torchrl-buffer", capacity, in_two=in_two)
     got = _run(_sampler("fastreplay", **kwargs), buffer_side, capacity, in_two=in_two)
-    for a, b in zip(got, expected, strict=True):
-        assert_same_tensordict(a, b)
+    _assert_same(got, expected)
     if kwargs.get("strict_length", True):
-        for batch in got:
+        for batch in got[::2]:
             assert_slices_valid(batch["obs"], 4)
 
 

@@ -131,6 +131,7 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         self._fr_init_pinning(pin_memory, device)
         self._fr_her = IndexSync()  # storage -> episode ends, told about every write
         self._fr_scanned: tuple | None = None  # (key, ends) read by TorchRL's scan
+        self._fr_writes = 0  # writes reported (``mark_update``): part of that key
         # TorchRL's own pinning stays off, as in fastreplay.TensorDictReplayBuffer.
         super().__init__(reward_fn, pin_memory=False, **kwargs)
 
@@ -139,6 +140,7 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         """TorchRL's (the writer calls it for every write): the rows also go to the index."""
         super().mark_update(index)
         self._fr_her.record(index)
+        self._fr_writes += 1
 
     def _fr_written(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
@@ -161,11 +163,13 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         """TorchRL's; the episode ends are rebuilt from the loaded storage at the next sample."""
         super().load_state_dict(state_dict)
         self._fr_her.invalidate(loaded=True)
+        self._fr_scanned = None
 
     def loads(self, path: Any) -> None:
         """TorchRL's; the episode ends are rebuilt from the loaded storage at the next sample."""
         super().loads(path)
         self._fr_her.invalidate(loaded=True)
+        self._fr_scanned = None
 
     # ------------------------------------------------------------------ episode ends
     def _fr_end_keys(self, storage: Any) -> tuple | None:
@@ -222,14 +226,15 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         TorchRL's own cache key holds the storage's last cursor, a tensor after ``extend``:
         comparing it with the previous one raises once the storage is full (``RuntimeError``,
         in every TorchRL version). This key holds the cursor's row and the storage's write
-        count instead.
+        count (``mutation_revision``, TorchRL 0.14 on) and the writes reported here instead;
+        ``empty``, ``load_state_dict`` and ``loads`` drop it.
         """
         key = (
             len(storage),
             her_cursor(getattr(storage, "_last_cursor", None)),
             bool(getattr(storage, "_is_full", False)),
             mutation_revision(storage, -1),
-            getattr(self._writer, "_write_count", None),
+            self._fr_writes,
         )
         cached = self.__dict__.get("_fr_scanned")
         if cached is None or cached[0] != key:
