@@ -211,7 +211,12 @@ def test_empty_and_checkpoints_rebuild(tmp_path: Any) -> None:
     rb.extend(data)
     rb.sample()
     state = rb.state_dict()
-    assert state["_her"]["episode_ends_cache"] is None  # the index serves (docs/migration.md)
+    ends = trl.HERReplayBuffer._build_episode_cache(rb, rb._storage)  # TorchRL's format
+    assert torch.equal(state["_her"]["episode_ends_cache"], ends)
+    reference = trl.HERReplayBuffer(reward_fn=reward_fn, storage=LazyTensorStorage(23))
+    reference.load_state_dict(state)  # TorchRL's class loads it, its cache too
+    assert torch.equal(reference._episode_ends_cache, ends)
+    assert reference._last_cache_key[0] == 23 and reference._last_cache_key[2] is True
     rb.dumps(tmp_path / "rb")
     rb.empty()
     data, first = transitions(12, [3], first)

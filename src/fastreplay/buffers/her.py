@@ -159,6 +159,24 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         self._fr_her.invalidate()
         self._fr_scanned = None
 
+    def state_dict(self) -> dict:
+        """TorchRL's, with the episode ends and cache key of the storage as it is now.
+
+        TorchRL saves the cache its last ``sample`` built; the index keeps none, so the ends are
+        read from the storage here (``O(items stored)``, as the checkpoint of the storage
+        itself), in TorchRL's format: either library loads the checkpoint.
+        """
+        state = super().state_dict()
+        her = state.get("_her")
+        if her is not None and len(self._storage):
+            try:
+                ends = self._build_episode_cache(self._storage)
+            except (KeyError, RuntimeError, NotImplementedError):  # TorchRL's sample would raise
+                return state
+            her["episode_ends_cache"] = ends
+            her["last_cache_key"] = self._storage_cache_key(self._storage)
+        return state
+
     def load_state_dict(self, state_dict: dict) -> None:
         """TorchRL's; the episode ends are rebuilt from the loaded storage at the next sample."""
         super().load_state_dict(state_dict)
@@ -218,6 +236,7 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
             newest = n - 1
         if index.size != n or newest != index.cursor:
             return self._fr_scanned_ends(storage)
+        self._last_cache_key = self._storage_cache_key(storage)  # TorchRL's record, O(1)
         return _IndexedEpisodes(index)
 
     def _fr_scanned_ends(self, storage: Any) -> torch.Tensor:
