@@ -176,3 +176,22 @@ def test_laps_around_a_full_storage_never_start_over_and_keep_memory_flat(
     got = index.boundaries()
     got = list(zip(got[3].tolist(), got[0].tolist(), got[1].tolist(), got[2].tolist(), strict=True))
     assert got == _reference(storage, rows, index.cursor, mode)
+
+
+@pytest.mark.parametrize("rows,columns", [(7, 1), (61, 3)])
+def test_windows_match_the_boundaries_after_every_write(rows: int, columns: int) -> None:
+    """``windows(k)``: sum of ``max(0, L - k + 1)`` per column, kept through trims and laps."""
+    rng = np.random.default_rng(rows + columns)
+    index = TrajectoryIndex(rows, columns, "done")
+    lengths = (1, 2, 3, 5, 9)
+    for step in range(120):
+        n = int(rng.integers(1, rows + 5))
+        index.write((index.cursor + 1) % rows, rng.random((n, columns)) < 0.25)
+        _, _, length, col = index.boundaries()
+        # the eligibility rings of a few lengths exist from the first write on; others are
+        # built lazily mid-run (step 60): both kept in step by every later write
+        for k in lengths if step >= 60 else lengths[:3]:
+            expected = [
+                int(np.clip(length[col == c] - k + 1, 0, None).sum()) for c in range(columns)
+            ]
+            assert index.windows(k).tolist() == expected, (step, k)

@@ -119,6 +119,20 @@ def test_alpha_change_flag_matches_torchrl() -> None:
     assert bool(caught) == (not compat.ALPHA_CHANGE_RETRANSFORMS)
 
 
+def test_streaming_slice_and_her_are_where_torchrl_has_them() -> None:
+    """``StreamingSliceSampler``: 0.14 and later, on both sides; ``HERReplayBuffer``: all."""
+    has = hasattr(trl, "StreamingSliceSampler")
+    assert has == compat.HAS_STREAMING_SLICE
+    assert hasattr(fastreplay, "StreamingSliceSampler") == has
+    assert ("StreamingSliceSampler" in fastreplay.__all__) == has
+    if has:
+        assert issubclass(fastreplay.StreamingSliceSampler, trl.StreamingSliceSampler)
+        assert issubclass(fastreplay.StreamingSliceSampler, fastreplay.SliceSampler)
+        shared = getattr(trl.StreamingSliceSampler, "requires_shared_state", None)
+        assert getattr(fastreplay.StreamingSliceSampler, "requires_shared_state", None) == shared
+    assert issubclass(fastreplay.HERReplayBuffer, trl.HERReplayBuffer)
+
+
 # --------------------------------------------------------------- constructor arguments
 @pytest.mark.parametrize("name", [*SLICE_CLASSES, "PrioritizedSliceSampler"])
 def test_every_torchrl_argument_is_accepted_and_shown(name: str) -> None:

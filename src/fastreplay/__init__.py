@@ -9,7 +9,12 @@ See ``docs/index.md`` for what each component fixes and how it is tested.
 
 from __future__ import annotations
 
-from fastreplay.buffers import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from fastreplay import samplers as _samplers
+from fastreplay.buffers import (
+    HERReplayBuffer,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 from fastreplay.ppo import chunked_log_prob
 from fastreplay.ray_buffer import RayReplayBuffer
 from fastreplay.sample_units import __all__ as _unit_names
@@ -20,6 +25,9 @@ from fastreplay.samplers import (
     SliceSamplerWithoutReplacement,
     StalenessAwareSampler,
 )
+
+if "StreamingSliceSampler" in _samplers.__all__:  # TorchRL 0.14 and later
+    from fastreplay.samplers import StreamingSliceSampler as StreamingSliceSampler
 
 __version__ = "0.1.0"
 
@@ -34,6 +42,8 @@ __all__ = [
     "SliceSamplerWithoutReplacement",
     "RayReplayBuffer",
     "StalenessAwareSampler",
+    "HERReplayBuffer",
+    *(name for name in ("StreamingSliceSampler",) if name in _samplers.__all__),
 ]
 
 # TorchRL's sample units where the installed TorchRL has them (``Sequence`` from 0.14,

@@ -86,6 +86,10 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
 * **Sampler.can_sample** (:data:`HAS_CAN_SAMPLE`): 0.14 added ``Sampler.can_sample(storage,
   batch_size)`` (and ``ReplayBuffer.can_sample``); 0.13 has neither. fastreplay's samplers
   inherit it where TorchRL has it.
+* **StreamingSliceSampler** (:data:`HAS_STREAMING_SLICE`): 0.14 added it (the nightly's
+  also says ``requires_shared_state = True``); 0.13 has none, so neither has fastreplay there.
+  ``HERReplayBuffer`` is the same on all three (:data:`TorchRLHERReplayBuffer`; its
+  ``_resolve_cursor``, :func:`her_cursor`, reads the storage's last cursor as it does).
 * **Consuming samplers** (:func:`is_consuming`, :data:`CONSUMING_SAMPLERS`): 0.14 added
   ``ConsumingSampler`` and
   ``ReplayBuffer._is_consuming()``; 0.13 has neither (no buffer consumes).
@@ -145,6 +149,8 @@ from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 from torchrl.data.replay_buffers import RandomSampler
 from torchrl.data.replay_buffers import ReplayBuffer as TorchRLReplayBuffer
 from torchrl.data.replay_buffers import samplers as _samplers
+from torchrl.data.replay_buffers.her import HERReplayBuffer as TorchRLHERReplayBuffer
+from torchrl.data.replay_buffers.her import _resolve_cursor as her_cursor
 from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer as TorchRLRayReplayBuffer
 from torchrl.data.replay_buffers.replay_buffers import _storage_index as _storage_index
 from torchrl.data.replay_buffers.samplers import _REPLACEMENT_DISPATCH as _REPLACEMENT_DISPATCH
@@ -175,6 +181,10 @@ __all__ = [
     "STORAGE_HAS_REVISION",
     "CHECKPOINTS_KEEP_PREFETCHED",
     "HAS_CAN_SAMPLE",
+    "HAS_STREAMING_SLICE",
+    "TorchRLHERReplayBuffer",
+    "TorchRLStreamingSliceSampler",
+    "her_cursor",
     "HAS_FINALIZE_INDEX",
     "KEY_CHANGE_KEEPS_CACHED_BOUNDARIES",
     "OUTPUT_LAYOUTS",
@@ -299,6 +309,12 @@ CHECKPOINTS_KEEP_PREFETCHED: bool = hasattr(TorchRLReplayBuffer, "_capture_prefe
 
 HAS_CAN_SAMPLE: bool = hasattr(Sampler, "can_sample")
 """Whether TorchRL's samplers have ``can_sample`` (0.14, nightly); 0.13's do not."""
+
+TorchRLStreamingSliceSampler: Any = getattr(_samplers, "StreamingSliceSampler", None)
+"""TorchRL's ``StreamingSliceSampler`` (0.14, nightly), or ``None`` (0.13 has none)."""
+
+HAS_STREAMING_SLICE: bool = TorchRLStreamingSliceSampler is not None
+"""Whether TorchRL has ``StreamingSliceSampler`` (0.14, nightly); 0.13 does not."""
 
 
 STORAGE_HAS_REVISION: bool = hasattr(Storage, "_mutation_revision")

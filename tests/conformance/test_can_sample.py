@@ -18,13 +18,28 @@ from torchrl.data import LazyTensorStorage
 
 import fastreplay
 from conformance.conftest import episodes
-from fastreplay._torchrl import HAS_CAN_SAMPLE
+from conftest import TORCHRL_EXT
+from fastreplay._core.trajectory_index import TrajectoryIndex
+from fastreplay._torchrl import HAS_CAN_SAMPLE, HAS_STREAMING_SLICE
 
 pytestmark = pytest.mark.skipif(
     not HAS_CAN_SAMPLE, reason=f"TorchRL {torchrl.__version__}'s samplers have no can_sample"
 )
 
-SAMPLERS = ("SliceSampler", "SliceSamplerWithoutReplacement")
+SAMPLERS = (
+    "SliceSampler",
+    "SliceSamplerWithoutReplacement",
+    "PrioritizedSliceSampler",
+    *(("StreamingSliceSampler",) if HAS_STREAMING_SLICE else ()),
+)
+
+
+def _make(module: Any, name: str, capacity: int, **kwargs: Any) -> Any:
+    if name == "PrioritizedSliceSampler":
+        if module is trl and not TORCHRL_EXT:
+            pytest.skip("TorchRL's PrioritizedSliceSampler needs its compiled extension")
+        kwargs.update(max_capacity=capacity, alpha=0.7, beta=0.5)
+    return getattr(module, name)(**kwargs)
 
 
 def _fill(storage: Any, writes: list[tuple[int, Any]], columns: int | None) -> None:
@@ -50,13 +65,37 @@ WORKLOADS = {
 def test_can_sample_answers_as_torchrl(
     name: str, workload: str, strict: bool, columns: int | None
 ) -> None:
+    """``can_sample`` and ``_sampleable_count`` (``SamplerEnsemble``'s weights): TorchRL's."""
+    if name == "StreamingSliceSampler" and columns:
+        pytest.skip("StreamingSliceSampler takes 1-D storages only (TorchRL's RuntimeError)")
+    answers = {}
+    sizes = (2, 4, 8, 16, 32, 64)
+    for side in ("torchrl", "fastreplay"):
+        module = trl if side == "torchrl" else fastreplay
+        capacity = 37 * (columns or 1)
+        sampler = _make(module, name, capacity, slice_len=2, traj_key="traj", strict_length=strict)
+        storage = LazyTensorStorage(capacity, ndim=1 if columns is None else 2)
+        _fill(storage, WORKLOADS[workload], columns)
+        answers[side] = [sampler.can_sample(storage, size) for size in sizes]
+        answers[side] += [int(sampler._sampleable_count(storage, size)) for size in sizes]
+    assert answers["fastreplay"] == answers["torchrl"]
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("strict", [True, False])
+def test_counts_follow_every_write_through_wrap_around(name: str, strict: bool) -> None:
+    """Counted after each of many writes (wrapping an odd capacity), the sampler in a buffer."""
     answers = {}
     for side in ("torchrl", "fastreplay"):
         module = trl if side == "torchrl" else fastreplay
-        sampler = getattr(module, name)(slice_len=2, traj_key="traj", strict_length=strict)
-        storage = LazyTensorStorage(37 * (columns or 1), ndim=1 if columns is None else 2)
-        _fill(storage, WORKLOADS[workload], columns)
-        answers[side] = [sampler.can_sample(storage, size) for size in (2, 4, 8, 16, 32, 64)]
+        sampler = _make(module, name, 53, slice_len=3, traj_key="traj", strict_length=strict)
+        rb = trl.TensorDictReplayBuffer(storage=LazyTensorStorage(53), sampler=sampler)
+        counts, first = [], 0
+        for w in range(30):
+            rb.extend(episodes(1 + (7 * w) % 17, [1, 4, 2, 9, 3, 25], first_id=first))
+            first += 40
+            counts.append([int(sampler._sampleable_count(rb.storage, k)) for k in (3, 6, 9, 27)])
+        answers[side] = counts
     assert answers["fastreplay"] == answers["torchrl"]
 
 
@@ -72,8 +111,10 @@ def test_can_sample_reads_no_boundaries_after_a_write(monkeypatch: pytest.Monkey
         raise AssertionError("can_sample read every trajectory boundary")
 
     monkeypatch.setattr(type(sampler), "_get_stop_and_length", scan)
+    monkeypatch.setattr(TrajectoryIndex, "boundaries", scan)  # O(trajectories): not used
     rb.extend(episodes(20, 20, first_id=10_000))  # one long enough now
     assert sampler.can_sample(rb.storage, 16) is True
+    assert int(sampler._sampleable_count(rb.storage, 16)) == 20 - 8 + 1
     assert rb.can_sample(16) is True
     with pytest.raises(RuntimeError, match="divisible"):  # TorchRL's error, as there
         sampler.can_sample(rb.storage, 12)

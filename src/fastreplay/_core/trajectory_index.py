@@ -30,6 +30,7 @@ class _Ring:
         self.data = np.empty((capacity, width), dtype=np.int64)
         self.head = 0
         self.count = 0
+        self.total = 0  # eligibility rings: the lengths of their trajectories, summed
 
     def _grow(self, needed: int) -> None:
         cap = self.data.shape[0]
@@ -114,14 +115,17 @@ class _Column:
         self.positions.push((written + pos)[:, None])
         self.next_serial += k
         for min_length, queue in self.eligible.items():
-            queue.push(closed[closed[:, 2] >= min_length, :1])
+            kept = closed[closed[:, 2] >= min_length]
+            queue.push(kept[:, :1])
+            queue.total += int(kept[:, 2].sum())
 
     def trim(self, overflow: int, rows: int) -> None:
         """Forget the ``overflow`` oldest rows (overwritten): ``O(trajectories removed)``."""
         if overflow <= 0:
             return
         k = min(self.trajs.count, overflow)
-        cum = np.cumsum(self.trajs.take(np.arange(k))[:, 2])
+        old = self.trajs.take(np.arange(min(self.trajs.count, k + 1)))  # before the trim
+        cum = np.cumsum(old[:k, 2])
         removed = int(np.searchsorted(cum, overflow, side="right"))
         self.trajs.pop(removed)
         self.positions.pop(removed)
@@ -134,8 +138,13 @@ class _Column:
         for min_length, queue in self.eligible.items():
             front = queue.take(np.arange(min(queue.count, removed + 1)))[:, 0]
             drop = int(np.searchsorted(front, first))
-            if drop < front.size and front[drop] == first and head_len < min_length:
-                drop += 1
+            queue.total -= int(old[front[:drop] - old[0, 0], 2].sum())
+            if drop < front.size and front[drop] == first:  # the trimmed oldest is eligible
+                if head_len < min_length:  # no longer
+                    queue.total -= int(old[removed, 2])
+                    drop += 1
+                else:
+                    queue.total -= left
             queue.pop(drop)
 
     def queue(self, min_length: int) -> _Ring:
@@ -146,7 +155,9 @@ class _Column:
                 self.eligible.pop(next(iter(self.eligible)))
             closed = self.trajs.take(np.arange(max(self.trajs.count - 1, 0)))
             queue = self.eligible[min_length] = _Ring(1, max(16, closed.shape[0]))
-            queue.push(closed[closed[:, 2] >= min_length, :1])
+            kept = closed[closed[:, 2] >= min_length]
+            queue.push(kept[:, :1])
+            queue.total = int(kept[:, 2].sum())
         return queue
 
     def eligible_records(self, min_length: int, logical: np.ndarray) -> np.ndarray:
@@ -163,6 +174,13 @@ class _Column:
         if not self.trajs.count or min_length <= 1:
             return self.trajs.count
         return self.queue(min_length).count + int(self.last()[2] >= min_length)
+
+    def eligible_steps(self, min_length: int, stored: int) -> int:
+        """Steps in the trajectories at least ``min_length`` long (``stored``: all steps)."""
+        if not self.trajs.count or min_length <= 1:
+            return stored if self.trajs.count else 0
+        newest = int(self.last()[2])
+        return self.queue(min_length).total + (newest if newest >= min_length else 0)
 
 
 class TrajectoryIndex:
@@ -287,6 +305,20 @@ class TrajectoryIndex:
     def counts(self, min_length: int) -> np.ndarray:
         """Per-column number of trajectories at least ``min_length`` long (``O(columns)``)."""
         return np.array([c.eligible_count(min_length) for c in self.cols], dtype=np.int64)
+
+    def windows(self, length: int) -> np.ndarray:
+        """Per-column number of runs of ``length`` steps inside one trajectory (``O(columns)``).
+
+        ``sum(max(0, L - length + 1))`` over the trajectory lengths ``L``: TorchRL's count of
+        the slices that can start (``SliceSampler._sampleable_count``, ``strict_length=True``).
+        """
+        return np.array(
+            [
+                c.eligible_steps(length, self.size) - (length - 1) * c.eligible_count(length)
+                for c in self.cols
+            ],
+            dtype=np.int64,
+        )
 
     def select(self, ranks: np.ndarray, min_length: int) -> tuple[np.ndarray, ...]:
         """Trajectories at ``ranks`` in TorchRL's order among those ``>= min_length`` long.

@@ -2,6 +2,8 @@
 
 * :mod:`~fastreplay.buffers.tensordict`: ``TensorDictReplayBuffer`` and
   ``TensorDictPrioritizedReplayBuffer`` (TorchRL's, with the parts below in their bases).
+* :mod:`~fastreplay.buffers.her`: ``HERReplayBuffer`` (TorchRL's, its episode ends read from
+  an incremental trajectory index).
 * :mod:`~fastreplay.buffers.paths`: the one choice, per call, between the direct path and
   TorchRL's general path, and the direct path itself.
 * :mod:`~fastreplay.buffers.rows`: the direct path's row writes and gathers (the one module
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+from fastreplay.buffers.her import HERReplayBuffer
 from fastreplay.buffers.tensordict import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 
-__all__ = ["TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]
+__all__ = ["HERReplayBuffer", "TensorDictPrioritizedReplayBuffer", "TensorDictReplayBuffer"]

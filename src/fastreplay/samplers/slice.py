@@ -489,6 +489,27 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
                 return False
             return bool(index.counts(seq_length if self.strict_length else 1).sum() > 0)
 
+        def _sampleable_count(self, storage: Any, batch_size: int) -> Any:
+            """How many slices of ``batch_size``'s length can start, as TorchRL counts them.
+
+            TorchRL sums ``max(0, L - slice_len + 1)`` over every stored trajectory length
+            ``L`` (``strict_length=False``: at least 1 per trajectory), after reading all
+            boundaries; ``SamplerEnsemble`` weighs its members by it. The index keeps the
+            lengths of the trajectories long enough summed, so this is ``O(columns)`` after
+            the incremental update. Returns an int64 tensor, as TorchRL's.
+            """
+            if not self._fr_indexed(storage) or storage_len(storage) == 0:
+                return super()._sampleable_count(storage, batch_size)
+            seq_length, _ = self._adjusted_batch_size(batch_size)  # TorchRL's errors
+            try:
+                index = self._fr_sync.sync(storage, self)
+            except (KeyError, RuntimeError):  # as TorchRL: no boundaries, nothing to sample
+                return 0
+            count = int(index.windows(seq_length).sum())
+            if not self.strict_length:  # shorter trajectories give one (short) slice each
+                count += int(index.counts(1).sum() - index.counts(seq_length).sum())
+            return torch.tensor(count, device=self._fr_sync.device)
+
     def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
         """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
         if not self._fr_indexed(storage):
