@@ -200,6 +200,7 @@ def test_bad_values_are_argparse_errors(argv, flag, shown, capsys) -> None:
         (["--stored", "10M", "--capacity", "6M"], "--stored 10M exceeds --capacity 6M"),
         (["--slice-len", "64", "--episode-len", "1000,50"], "--slice-len 64 is longer than"),
         (["--stored", "10", "--capacity", "100"], "--slice-len 32 is longer than --stored 10"),
+        (["--slice-len", "4", "--rotate-lengths", "8"], "--rotate-lengths 8 around --slice-len 4"),
         (["--per-capacity", "1M,1"], "--per-capacity 1M,1: 'lower the max item'"),
         (
             ["--pslice-stored", "5M", "--pslice-capacity", "1M"],
@@ -559,6 +560,7 @@ def _restore_threads(monkeypatch):
 def test_small_run_writes_results_with_load_and_threads(tmp_path: Path, capsys) -> None:
     argv = ["--only", "slice", "--capacity", "2001", "--stored", "1507", "--episode-len", "50"]
     argv += ["--end", "done", "--num-slices", "4", "--slice-len", "8", "--repeats", "3"]
+    argv += ["--rotate-items", "3001", "--rotate-lengths", "3"]
     assert main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "machine: load average" in out and "1 torch thread" in out
@@ -570,10 +572,15 @@ def test_small_run_writes_results_with_load_and_threads(tmp_path: Path, capsys) 
     assert [r["case"] for r in payload["results"]] == [
         "2.001k/1.507k ep50 done static",
         "2.001k/1.507k ep50 done online",
+        "3.001k rotate3 done static",
+        "3.001k rotate3 done online",
     ]
     assert all(r["correct"] and r["speedup"] > 0 for r in payload["results"])
+    rotating = payload["results"][2]
+    assert rotating["params"]["slice_lengths"] == [7, 8, 9]
+    assert rotating["extra"]["length_rows_rebuilt"] == 0  # no rebuild per sample
     md = (tmp_path / "results.md").read_text()
-    assert md.count("| slice |") == 2
+    assert md.count("| slice |") == 4
 
 
 def test_harness_import_is_light() -> None:

@@ -125,6 +125,15 @@ def test_finalize_index_reads_only_the_flags(monkeypatch: pytest.MonkeyPatch) ->
         return original_get(self, index)
 
     monkeypatch.setattr(LazyTensorStorage, "get", get)
+    sampler.sample(storage, 8)  # the info built directly (``_fr_info``)
+    assert gathered == []
+    # the ``_finalize_index`` override, which TorchRL's own paths reach through ``_get_index``
+    fr_slices = fastreplay.SliceSampler._fr_slices
+    monkeypatch.setattr(
+        fastreplay.SliceSampler,
+        "_fr_slices",
+        lambda self, *args, synced=False: fr_slices(self, *args, synced=False),
+    )
     sampler.sample(storage, 8)
     assert gathered == []
     # TorchRL's (on 0.13, whose ``_get_index`` builds the info inline: that code, as a hook)

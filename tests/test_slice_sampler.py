@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from tensordict import TensorDict
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 
 import fastreplay
@@ -648,3 +648,41 @@ def test_bad_signals_name_the_argument_and_change_nothing(kwargs, change, error,
         fast.sample(storage, 4)
     assert fast._fr_index is None and len(rb) == 20
     assert (storage[:20] == before).all()
+
+
+@pytest.mark.parametrize("mode", ["done", "ids"])
+@pytest.mark.parametrize("truncated_key", [("next", "truncated"), None])
+@pytest.mark.parametrize("stored", [(), ("terminated",), ("terminated", "is_init")])
+def test_slice_info_matches_torchrl_with_stored_flags(mode, truncated_key, stored) -> None:
+    """The info's done/terminated/is_init against TorchRL's, through both buffers.
+
+    With trajectory ids the stored done flags are random (they fall inside slices), so they are
+    read at the sampled steps; with done flags as boundaries they only end slices.
+    """
+    seed = hash((mode, truncated_key, stored)) % 1000
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    episodes = Episodes(None, seed)
+    kw = {"num_slices": 4, "truncated_key": truncated_key, **_key(mode)}
+    fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
+    storage, ref_storage = LazyTensorStorage(301), LazyTensorStorage(301)
+    rb = fastreplay.TensorDictReplayBuffer(storage=storage, sampler=fast, batch_size=16)
+    ref_rb = TensorDictReplayBuffer(storage=ref_storage, sampler=ref, batch_size=16)
+    for it in range(8):  # wraps around the 301 rows
+        td = episodes.batch(rng.randint(20, 200))
+        if mode == "ids":
+            td[DONE] = torch.rand(td.shape[0], 1, generator=gen) < 0.3
+        if "terminated" in stored:
+            td["next", "terminated"] = td[DONE] & (torch.rand(td.shape[0], 1, generator=gen) < 0.5)
+        if "is_init" in stored:
+            td["is_init"] = torch.rand(td.shape[0], 1, generator=gen) < 0.2
+        rb.extend(td)
+        ref_rb.extend(td)
+        for batch in (16, 32):
+            _assert_same(fast, ref, storage, batch, seed=it * 7 + batch)
+        fast._rng = torch.Generator().manual_seed(it)
+        ref._rng = torch.Generator().manual_seed(it)
+        got, expected = rb.sample(), ref_rb.sample()
+        assert set(got.keys(True, True)) == set(expected.keys(True, True))
+        for key in expected.keys(True, True):
+            assert torch.equal(got[key], expected[key]), key

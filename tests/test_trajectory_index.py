@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from fastreplay._core.eligible_counts import BLOCK
 from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._torchrl import find_start_stop_traj
 
@@ -159,9 +160,10 @@ def test_laps_around_a_full_storage_never_start_over_and_keep_memory_flat(
         written += n
         index.select(rng.integers(0, index.counts(8).sum(), 16), 8)  # the eligibility rings
 
-    while written < 2 * rows:
+    while written < 4 * rows:  # settling: the length's counts, then its exact ring, are built
         write(int(rng.integers(1, rows // 3)))
     settled = index.nbytes()
+    assert [list(column.eligible.exact) for column in index.cols] == [[8]] * columns
     monkeypatch.setattr(index, "reset", lambda: pytest.fail("the index started over"))
     while written < 30 * rows:  # each write shorter than the storage: no rebuild needed
         write(int(rng.integers(1, rows // 3)))
@@ -195,3 +197,138 @@ def test_windows_match_the_boundaries_after_every_write(rows: int, columns: int)
                 int(np.clip(length[col == c] - k + 1, 0, None).sum()) for c in range(columns)
             ]
             assert index.windows(k).tolist() == expected, (step, k)
+
+
+def _brute_eligible(index: TrajectoryIndex, min_length: int) -> tuple[np.ndarray, ...]:
+    """The trajectories at least ``min_length`` long, in TorchRL's order, from scratch."""
+    start, _, length, col = index.boundaries()
+    keep = length >= min_length
+    return start[keep], length[keep], col[keep]
+
+
+def _check_every_length(index: TrajectoryIndex, lengths: list[int]) -> None:
+    for min_length in lengths:
+        start, length, col = _brute_eligible(index, min_length)
+        counts = index.counts(min_length)
+        assert counts.sum() == start.size, min_length
+        assert counts.tolist() == np.bincount(col, minlength=index.columns).tolist()
+        s, n, c = index.select(np.arange(start.size), min_length)
+        np.testing.assert_array_equal(s, start)
+        np.testing.assert_array_equal(n, length)
+        np.testing.assert_array_equal(c, col)
+
+
+@pytest.mark.parametrize("mode", ["done", "ids"])
+@pytest.mark.parametrize(
+    "rows,columns,budget,hot",
+    [(997, 1, None, None), (601, 3, None, None), (499, 2, 1, None), (997, 2, None, 5)],
+)
+def test_any_number_of_lengths_match_a_from_scratch_filter(
+    mode: str, rows: int, columns: int, budget: int | None, hot: int | None
+) -> None:
+    """Counts and selections for many distinct lengths, through writes that wrap around.
+
+    ``budget=1`` keeps one length's counts at a time: every other length is rebuilt. ``hot``:
+    a length asked for many times in a row after each write, which gets an exact ring.
+    """
+    rng = np.random.default_rng(rows + columns)
+    index = TrajectoryIndex(rows, columns, mode)
+    last_id = np.zeros(columns, dtype=np.int64)
+    first, most = 0, 0
+    for step in range(60):
+        n = int(rng.integers(1, rows // 2 if step % 10 else 2 * rows + 3))
+        p_end = float(rng.choice([0.02, 0.1, 0.5]))
+        if mode == "done":
+            signal = rng.random((n, columns)) < p_end
+        else:
+            signal = last_id + np.cumsum(rng.random((n, columns)) < p_end, 0)
+            last_id = signal[-1]
+        index.write(first, signal)
+        first = (first + n) % rows
+        most = max(most, index.cols[0].trajs.count)
+        if budget is not None:
+            for column in index.cols:
+                column.eligible.counts.budget = lambda: budget
+        lengths = rng.integers(1, 80, int(rng.integers(1, 12))).tolist()
+        _check_every_length(index, ([hot] * 20 if hot else []) + lengths)
+        for c in range(columns):  # the rotation search against a scan
+            for min_length in lengths[:3]:
+                column = index.cols[c]
+                count = column.eligible_count(min_length)
+                records = column.eligible_records(min_length, np.arange(count))
+                after = (records[:, 1] + records[:, 2] - 1) % rows > index.cursor
+                expected = int(np.argmin(after)) if not after.all() else count
+                assert index._rotation_of(c, min_length) == expected
+    assert index.size == rows and most > 3 * BLOCK  # wrapped, with several blocks per column
+    if hot:  # its exact ring served the selects (rebuilt if another length evicted it)
+        assert all(column.eligible.exact_builds for column in index.cols)
+
+
+def test_the_oldest_trajectory_shrinking_below_a_length_leaves_it() -> None:
+    index = TrajectoryIndex(20, 1, "done")
+    done = np.zeros((20, 1), dtype=bool)
+    done[[9, 14, 19]] = True  # lengths 10, 5, 5
+    index.write(0, done)
+    assert index.counts(6).tolist() == [1] and index.counts(4).tolist() == [3]
+    index.write(0, np.zeros((3, 1), dtype=bool))  # the oldest loses 3 rows: 7 long
+    assert index.counts(6).tolist() == [1] and index.counts(8).tolist() == [0]
+    index.write(3, np.zeros((2, 1), dtype=bool))  # 5 long: no longer eligible for 6
+    assert index.counts(6).tolist() == [0]
+    _check_every_length(index, [2, 5, 6, 7, 8])
+
+
+@pytest.mark.parametrize("columns", [1, 3])
+def test_rotating_lengths_build_each_length_once(columns: int) -> None:
+    """8 lengths in turn over many samples and writes: one build per length, not per sample."""
+    rows = 20_011
+    index = TrajectoryIndex(rows, columns, "done")
+    rng = np.random.default_rng(0)
+    first = 0
+    lengths = [2, 3, 5, 8, 13, 21, 34, 55]
+    for step in range(400):
+        n = int(rng.integers(50, 500))
+        index.write(first, rng.random((n, columns)) < 0.05)
+        first = (first + n) % rows
+        min_length = lengths[step % len(lengths)]
+        count = int(index.counts(min_length).sum())
+        if count:
+            index.select(rng.integers(0, count, 64), min_length)
+    assert index.size == rows  # wrapped
+    assert [c.eligible.counts.builds for c in index.cols] == [len(lengths)] * columns
+    assert [c.eligible.exact_builds for c in index.cols] == [0] * columns  # no ring churn
+    _check_every_length(index, lengths)
+
+
+def test_memory_of_the_length_counts_stays_within_the_budget() -> None:
+    rows = 200_003
+    index = TrajectoryIndex(rows, 1, "done")
+    done = np.zeros((rows, 1), dtype=bool)
+    done[4::5] = True  # 40,000 trajectories of 5 steps... plus some longer ones
+    done[::997] = False
+    index.write(0, done)
+    column = index.cols[0]
+    for min_length in range(2, 1000):  # far more lengths than fit
+        index.counts(min_length)
+    budget = max(1 << 20, column.trajs.data.nbytes)
+    assert column.eligible.counts.cum.nbytes <= budget
+    assert 0 < len(column.eligible.counts.rows) < 998 and column.eligible.counts.builds == 998
+    assert index.nbytes() <= column.trajs.data.nbytes + column.positions.data.nbytes + budget + (
+        column.eligible.counts.lengths.nbytes * 3
+    )
+    _check_every_length(index, [2, 5, 6, 500, 998, 999])  # the least recent ones, rebuilt
+
+
+def test_a_length_kept_to_gets_one_exact_ring() -> None:
+    """One length, many samples and writes: one row build, then one ring build, then none."""
+    rows = 20_011
+    index = TrajectoryIndex(rows, 1, "done")
+    rng = np.random.default_rng(1)
+    first = 0
+    for _ in range(300):
+        n = int(rng.integers(50, 500))
+        index.write(first, rng.random((n, 1)) < 0.05)
+        first = (first + n) % rows
+        index.select(rng.integers(0, int(index.counts(16).sum()), 64), 16)
+    eligible = index.cols[0].eligible
+    assert (eligible.counts.builds, eligible.exact_builds, list(eligible.exact)) == (1, 1, [16])
+    _check_every_length(index, [16])

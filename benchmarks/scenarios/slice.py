@@ -6,9 +6,13 @@ One ``LazyTensorStorage`` holding only the boundary key (``("next", "done")`` fl
 * ``static``: no writes between samples; TorchRL uses ``cache_values=True``.
 * ``online``: ``extend(1000)`` then ``sample``, timed together (the extend is the same code for
   both; each write bumps the storage revision, so TorchRL rescans the storage).
+* ``rotate<k>``: a full storage of ``--rotate-items`` items, episodes of 1 to 3 x
+  ``--slice-len`` steps, and each ``sample`` asks for the next of ``k`` slice lengths
+  (``--rotate-lengths``, around ``--slice-len``), static and online as above: with
+  ``strict_length`` the short episodes are filtered per length.
 
-Both samplers get the same seed before one online sample: their indices must be identical, and
-every slice must stay inside one trajectory.
+Both samplers get the same seed before one online sample (one per slice length in the rotating
+cases): their indices must be identical, and every slice must stay inside one trajectory.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from benchmarks.harness import (
     counts_text,
     fmt_count,
     interleaved_seconds,
+    non_negative_int,
     parse_count,
     parse_counts,
     positive_int,
@@ -66,6 +71,18 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--slice-len", type=positive_int, default=32, help="steps per slice (batch = slices x len)"
     )
+    group.add_argument(
+        "--rotate-items",
+        type=counts_text,
+        default="2M,8M",
+        help="full storages (items) for the rotating slice lengths, comma-separated",
+    )
+    group.add_argument(
+        "--rotate-lengths",
+        type=non_negative_int,
+        default=8,
+        help="slice lengths rotated from one sample to the next, around --slice-len (0: none)",
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> list[str]:
@@ -83,6 +100,12 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
         problems.append(
             f"--slice-len {args.slice_len} is longer than {what}: no trajectory holds a whole "
             f"slice; pass --slice-len {min(shortest, stored)} or less"
+        )
+    if args.rotate_lengths and args.slice_len - args.rotate_lengths // 2 < 2:
+        problems.append(
+            f"--rotate-lengths {args.rotate_lengths} around --slice-len {args.slice_len} "
+            "reaches slices shorter than 2 steps; pass --rotate-lengths "
+            f"{max(0, 2 * (args.slice_len - 2))} or less"
         )
     return problems
 
@@ -205,6 +228,126 @@ def run(args: argparse.Namespace) -> list[Result]:
                 f"  {size}: index {info['index_bytes'] / 2**20:.1f} MiB for "
                 f"{info['trajectories']:,} trajectories; sample peak extra RSS "
                 f"{'n/a' if extra is None else f'{extra / 2**20:.1f} MiB'}",
+                flush=True,
+            )
+            del rb, fast, online, static
+    if args.rotate_lengths:
+        results += _rotating(args)
+    return results
+
+
+def _episodes(slice_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One period of 97 episodes of 1 to 3 x ``slice_len`` steps: done flags and episode ids."""
+    lengths = 1 + (torch.arange(97) * 37) % (3 * slice_len)
+    ends = torch.cumsum(lengths, 0)
+    done = torch.zeros(int(ends[-1]), dtype=torch.bool)
+    done[ends - 1] = True
+    return done, torch.searchsorted(ends, torch.arange(int(ends[-1])), right=True), 97
+
+
+def _varied_data(steps: torch.Tensor, period: tuple, end: str) -> TensorDict:
+    done, episode, count = period
+    where = steps % done.numel()
+    if end == "done":
+        return TensorDict({_DONE: done[where][:, None]}, [len(steps)])
+    return TensorDict({"traj": steps // done.numel() * count + episode[where]}, [len(steps)])
+
+
+def _rotating(args: argparse.Namespace) -> list[Result]:
+    """Slice lengths rotating from one sample to the next, on full storages."""
+    lengths = [args.slice_len + i - args.rotate_lengths // 2 for i in range(args.rotate_lengths)]
+    period = _episodes(args.slice_len)
+    results = []
+    for end in [e.strip() for e in args.end.split(",") if e.strip()]:
+        for items in parse_counts(args.rotate_items):
+            key = {"end_key": _DONE} if end == "done" else {"traj_key": "traj"}
+            storage = LazyTensorStorage(items)
+            fast = SliceSampler(num_slices=args.num_slices, **key)
+            rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=args.num_slices)
+            with progress(items, f"fill {fmt_count(items)} ({end}, varied episodes)") as bar:
+                for lo in range(0, items, _CHUNK):
+                    steps = torch.arange(lo, min(lo + _CHUNK, items))
+                    rb.extend(_varied_data(steps, period, end))
+                    bar(steps.numel())
+            online = TorchRLSliceSampler(num_slices=args.num_slices, **key)
+            static = TorchRLSliceSampler(num_slices=args.num_slices, cache_values=True, **key)
+            written = [items]
+
+            def write_1000(rb=rb, end=end, written=written) -> None:
+                steps = torch.arange(written[0], written[0] + 1000)
+                rb.extend(_varied_data(steps, period, end))
+                written[0] += 1000
+
+            def rotate(sampler, storage=storage, write=None):
+                turn = [0]
+
+                def call() -> None:
+                    if write is not None:
+                        write()
+                    length = lengths[turn[0] % len(lengths)]
+                    turn[0] += 1
+                    sampler.sample(storage, args.num_slices * length)
+
+                return call
+
+            for length in lengths:  # untimed: each length's first sample builds its state
+                fast.sample(storage, args.num_slices * length)
+                static.sample(storage, args.num_slices * length)
+            rows_built = sum(c.eligible.counts.builds for c in fast._fr_index.cols)
+            static_times = interleaved_seconds(
+                {"fastreplay": rotate(fast), "torchrl": rotate(static)},
+                repeats=3 * len(lengths),
+            )
+            correct = True
+            for length in lengths:  # same seed, same storage: bit-identical, inside trajectories
+                write_1000()
+                fast._rng = torch.Generator().manual_seed(args.seed)
+                online._rng = torch.Generator().manual_seed(args.seed)
+                idx_fast, _ = fast.sample(storage, args.num_slices * length)
+                idx_tr, _ = online.sample(storage, args.num_slices * length)
+                correct &= all(torch.equal(a, b) for a, b in zip(idx_fast, idx_tr, strict=True))
+                correct &= _slices_ok(storage, idx_fast, args.num_slices, end)
+            fast._rng = online._rng = None
+            online_times = interleaved_seconds(
+                {
+                    "fastreplay": rotate(fast, write=write_1000),
+                    "torchrl": rotate(online, write=write_1000),
+                },
+                repeats={"fastreplay": 3 * len(lengths), "torchrl": max(3, min(args.repeats, 7))},
+            )
+            index = fast._fr_index
+            info = {
+                "index_bytes": index.nbytes(),
+                "trajectories": index.num_trajectories,
+                "slice_lengths": lengths,
+                # after the first sample of each length: 0 (no rebuild per sample)
+                "length_rows_rebuilt": sum(c.eligible.counts.builds for c in index.cols)
+                - rows_built,
+            }
+            correct &= info["length_rows_rebuilt"] == 0
+            params = {
+                "capacity": items,
+                "stored": items,
+                "end": end,
+                "num_slices": args.num_slices,
+                "slice_lengths": lengths,
+            }
+            size = f"{fmt_count(items)} rotate{len(lengths)} {end}"
+            for case, times in (("static", static_times), ("online", online_times)):
+                results.append(
+                    Result(
+                        NAME,
+                        f"{size} {case}",
+                        times["fastreplay"],
+                        times["torchrl"],
+                        correct,
+                        params,
+                        info,
+                    )
+                )
+            print(
+                f"  {size}: index {info['index_bytes'] / 2**20:.1f} MiB for "
+                f"{info['trajectories']:,} trajectories; slice lengths {lengths}",
                 flush=True,
             )
             del rb, fast, online, static

@@ -20,48 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from fastreplay._core.eligible_counts import Eligibility
+from fastreplay._core.rings import Ring
+
 __all__ = ["TrajectoryIndex"]
-
-
-class _Ring:
-    """Growable FIFO ring of ``int64`` records with ``width`` fields (amortised O(1) ops)."""
-
-    def __init__(self, width: int, capacity: int = 16) -> None:
-        self.data = np.empty((capacity, width), dtype=np.int64)
-        self.head = 0
-        self.count = 0
-        self.total = 0  # eligibility rings: the lengths of their trajectories, summed
-
-    def _grow(self, needed: int) -> None:
-        cap = self.data.shape[0]
-        if needed <= cap:
-            return
-        new_cap = max(needed, 2 * cap)
-        new = np.empty((new_cap, self.data.shape[1]), dtype=np.int64)
-        new[: self.count] = self.take(np.arange(self.count))
-        self.data, self.head = new, 0
-
-    def push(self, records: np.ndarray) -> None:
-        """Append ``records`` (shape ``[k, width]``) at the back."""
-        k = records.shape[0]
-        if not k:
-            return
-        self._grow(self.count + k)
-        slots = (self.head + self.count + np.arange(k)) % self.data.shape[0]
-        self.data[slots] = records
-        self.count += k
-
-    def pop(self, k: int) -> None:
-        """Drop the ``k`` oldest records."""
-        self.head = (self.head + k) % self.data.shape[0]
-        self.count -= k
-
-    def slot(self, i: int) -> int:
-        return (self.head + i) % self.data.shape[0]
-
-    def take(self, logical: np.ndarray) -> np.ndarray:
-        """Records at logical positions ``logical`` (0 is the oldest)."""
-        return self.data[(self.head + logical) % self.data.shape[0]]
 
 
 class _Column:
@@ -72,15 +34,15 @@ class _Column:
     """
 
     def __init__(self) -> None:
-        self.trajs = _Ring(3)
-        self.positions = _Ring(1)
+        self.trajs = Ring(3)
+        self.positions = Ring(1)
         self.next_serial = 0
         self.written = 0  # position of the next row written
         self.closed = True  # done mode: whether the last written row ended its trajectory
         self.last_id = 0  # ids mode: trajectory id of the last written row
-        # min_length -> ring of serials of *closed* trajectories (all but the newest) that
-        # are at least min_length long, in age order.
-        self.eligible: dict[int, _Ring] = {}
+        # per min_length asked for: which closed trajectories (all but the newest) are at
+        # least that long; rows may take as much memory as the records, or 1 MiB
+        self.eligible = Eligibility(lambda: max(1 << 20, self.trajs.data.nbytes))
 
     def last(self) -> np.ndarray:
         return self.trajs.data[self.trajs.slot(self.trajs.count - 1)]
@@ -114,73 +76,77 @@ class _Column:
         self.trajs.push(new)
         self.positions.push((written + pos)[:, None])
         self.next_serial += k
-        for min_length, queue in self.eligible.items():
-            kept = closed[closed[:, 2] >= min_length]
-            queue.push(kept[:, :1])
-            queue.total += int(kept[:, 2].sum())
+        if closed.shape[0]:
+            self.eligible.closed(int(closed[0, 0]), closed[:, 2])
 
     def trim(self, overflow: int, rows: int) -> None:
         """Forget the ``overflow`` oldest rows (overwritten): ``O(trajectories removed)``."""
         if overflow <= 0:
             return
         k = min(self.trajs.count, overflow)
-        old = self.trajs.take(np.arange(min(self.trajs.count, k + 1)))  # before the trim
-        cum = np.cumsum(old[:k, 2])
+        lengths = self.trajs.take(np.arange(k))[:, 2]
+        cum = np.cumsum(lengths)
         removed = int(np.searchsorted(cum, overflow, side="right"))
         self.trajs.pop(removed)
         self.positions.pop(removed)
         left = overflow - (int(cum[removed - 1]) if removed else 0)
         slot = self.trajs.head
+        before = int(self.trajs.data[slot, 2])
         self.trajs.data[slot, 1] = (self.trajs.data[slot, 1] + left) % rows
         self.trajs.data[slot, 2] -= left
         self.positions.data[self.positions.head, 0] += left
-        first, head_len = self.first_serial(), int(self.trajs.data[slot, 2])
-        for min_length, queue in self.eligible.items():
-            front = queue.take(np.arange(min(queue.count, removed + 1)))[:, 0]
-            drop = int(np.searchsorted(front, first))
-            queue.total -= int(old[front[:drop] - old[0, 0], 2].sum())
-            if drop < front.size and front[drop] == first:  # the trimmed oldest is eligible
-                if head_len < min_length:  # no longer
-                    queue.total -= int(old[removed, 2])
-                    drop += 1
-                else:
-                    queue.total -= left
-            queue.pop(drop)
+        after = before - left if self.trajs.count > 1 else before  # the newest is not closed
+        self.eligible.trimmed(self.first_serial(), lengths[:removed], before, after)
 
-    def queue(self, min_length: int) -> _Ring:
-        """Eligible-serials ring for ``min_length``; built in ``O(n)`` on first use."""
-        queue = self.eligible.get(min_length)
-        if queue is None:
-            if len(self.eligible) >= 4:  # a sampler uses one or two lengths in practice
-                self.eligible.pop(next(iter(self.eligible)))
-            closed = self.trajs.take(np.arange(max(self.trajs.count - 1, 0)))
-            queue = self.eligible[min_length] = _Ring(1, max(16, closed.shape[0]))
-            kept = closed[closed[:, 2] >= min_length]
-            queue.push(kept[:, :1])
-            queue.total = int(kept[:, 2].sum())
-        return queue
+    def _lengths_at(self, logical: np.ndarray) -> np.ndarray:
+        """Lengths of the trajectories at age-order positions ``logical`` (any shape)."""
+        slots = logical + self.trajs.head
+        slots[slots >= self.trajs.data.shape[0]] -= self.trajs.data.shape[0]
+        return self.trajs.data[slots, 2]
 
     def eligible_records(self, min_length: int, logical: np.ndarray) -> np.ndarray:
-        """Records of the eligible trajectories at age-order positions ``logical``."""
-        if min_length <= 1:  # every trajectory: no eligibility ring needed
+        """Records of the eligible trajectories at age-order positions ``logical``.
+
+        ``O(len(logical))`` for ``min_length <= 1`` and the lengths used most, else
+        ``O(len(logical) x BLOCK)`` (:mod:`fastreplay._core.eligible_counts`).
+        """
+        if min_length <= 1:  # every trajectory: no eligibility counts needed
             return self.trajs.take(logical)
-        queue = self.queue(min_length)
-        in_queue = logical < queue.count
-        serials = np.full(logical.shape, int(self.last()[0]), dtype=np.int64)
-        serials[in_queue] = queue.take(logical[in_queue])[:, 0]
-        return self.trajs.take(serials - self.first_serial())
+        first, closed = self.first_serial(), self.trajs.count - 1
+        in_closed = logical < self.eligible.count(min_length, first, self._closed_lengths)
+        positions = np.full(logical.shape, closed, dtype=np.int64)  # the newest trajectory
+        positions[in_closed] = self.eligible.select(
+            min_length, logical[in_closed], first, closed, self._closed_lengths, self._lengths_at
+        )
+        return self.trajs.take(positions)
+
+    def _closed_lengths(self) -> np.ndarray:
+        """Lengths of the closed trajectories in age order: two slices of the ring."""
+        data, head, closed = self.trajs.data, self.trajs.head, max(self.trajs.count - 1, 0)
+        wrapped = max(head + closed - data.shape[0], 0)
+        return np.concatenate([data[head : head + closed - wrapped, 2], data[:wrapped, 2]])
+
+    def eligible_rank(self, min_length: int, position: int) -> int:
+        """Eligible trajectories among the ``position`` oldest (not the newest): ``O(BLOCK)``."""
+        first = self.first_serial()
+        return self.eligible.rank(
+            min_length, position, first, self._closed_lengths, self._lengths_at
+        )
 
     def eligible_count(self, min_length: int) -> int:
+        """Trajectories at least ``min_length`` long: ``O(1)`` once the length has counts."""
         if not self.trajs.count or min_length <= 1:
             return self.trajs.count
-        return self.queue(min_length).count + int(self.last()[2] >= min_length)
+        closed = self.eligible.count(min_length, self.first_serial(), self._closed_lengths)
+        return closed + int(self.last()[2] >= min_length)
 
     def eligible_steps(self, min_length: int, stored: int) -> int:
         """Steps in the trajectories at least ``min_length`` long (``stored``: all steps)."""
         if not self.trajs.count or min_length <= 1:
             return stored if self.trajs.count else 0
         newest = int(self.last()[2])
-        return self.queue(min_length).total + (newest if newest >= min_length else 0)
+        closed = self.eligible.steps(min_length, self.first_serial(), self._closed_lengths)
+        return closed + (newest if newest >= min_length else 0)
 
 
 class TrajectoryIndex:
@@ -224,7 +190,7 @@ class TrajectoryIndex:
     def nbytes(self) -> int:
         """Bytes held by the index arrays (``O(number of trajectories)``)."""
         return sum(
-            c.trajs.data.nbytes + sum(q.data.nbytes for q in c.eligible.values()) for c in self.cols
+            c.trajs.data.nbytes + c.positions.data.nbytes + c.eligible.nbytes for c in self.cols
         )
 
     def write(self, first_row: int, signal: np.ndarray) -> None:
@@ -283,16 +249,22 @@ class TrajectoryIndex:
     def _rotation_of(self, c: int, min_length: int) -> int:
         """Eligible trajectories of column ``c`` whose stop row is after the cursor.
 
-        They come first in age order and last in TorchRL's order (sorted by stop row). A
-        64-way search: ``O(log n / log 64)`` vectorized probes (one while nothing wrapped), cached.
+        They come first in age order and last in TorchRL's order (sorted by stop row). For all
+        trajectories, a 64-way search: ``O(log n / log 64)`` vectorized probes (one while
+        nothing wrapped); for ``min_length > 1``, the eligible ones among those
+        (``O(BLOCK)``). Cached until the next write.
         """
         key = (c, min_length)
         if key not in self._rotation:
             column = self.cols[c]
-            lo, hi = 0, column.eligible_count(min_length)
+            if min_length > 1:
+                rank = column.eligible_rank(min_length, self._rotation_of(c, 1))
+                self._rotation[key] = rank
+                return rank
+            lo, hi = 0, column.trajs.count
             while lo < hi:  # the answer lies in lo .. hi
                 probes = lo + np.arange(min(64, hi - lo)) * (hi - lo) // min(64, hi - lo)
-                records = column.eligible_records(min_length, probes)
+                records = column.trajs.take(probes)
                 after = (records[:, 1] + records[:, 2] - 1) % self.rows > self.cursor
                 ahead = int(np.count_nonzero(after))  # a prefix of the probes
                 if ahead:

@@ -6,6 +6,7 @@ import inspect
 import operator
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import is_tensor_collection
 from tensordict.utils import NestedKey
@@ -19,12 +20,15 @@ from fastreplay._torchrl import (
     STATIC_BOUNDARIES,
     SliceSamplerBase,
     TensorStorage,
+    init_marker_key,
+    is_batch_time,
     pads_short_slices,
     storage_len,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay.samplers._index_sync import IndexSync
+from fastreplay.samplers._slice_info import take, truncation_flags
 
 __all__ = [
     "MissingKeyError",
@@ -406,16 +410,35 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         )
 
     def _fr_slices(
-        self, storage: Any, start: Any, length: Any, seq: int, rows: int, device: Any
+        self,
+        storage: Any,
+        start: Any,
+        length: Any,
+        seq: int,
+        rows: int,
+        device: Any,
+        synced: bool = False,
     ) -> tuple[Any, dict]:
         """One random slice of ``seq`` steps in each trajectory ``(start, length)``: ``O(batch)``.
 
         TorchRL's ``_get_index`` without ``span`` in a 1-D storage: the same draw (one
         ``torch.rand`` per slice, on ``device``) and the same index, built by
-        :func:`fastreplay._core.slice_index.slice_index`; the info is ``_finalize_index``'s.
+        :func:`fastreplay._core.slice_index.slice_index`. The info is ``_finalize_index``'s;
+        ``synced`` (the trajectories come from the index, just synced with ``storage``): built
+        by :meth:`_fr_info` on a CPU storage, the same values (the flags and markers of the
+        sampled steps; the stored done flags not gathered when they are the boundaries).
         """
         draw = torch.rand(start.shape[0], device=device, generator=self._rng)
-        (steps,), _ = slice_index(start, seq, rows, length=length, draw=draw.cpu().numpy())
+        (steps,), heads = slice_index(start, seq, rows, length=length, draw=draw.cpu().numpy())
+        if (
+            synced
+            and torch.device(device).type == "cpu"
+            and not is_batch_time(self)
+            and isinstance(storage, TensorStorage)
+            and is_tensor_collection(getattr(storage, "_storage", None))
+        ):
+            index = (torch.from_numpy(steps),)
+            return index, self._fr_info(index, heads, steps.size, storage)
         return self._finalize_index(
             index=torch.from_numpy(steps)[:, None].to(device),
             num_slices=start.shape[0],
@@ -423,6 +446,50 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             target_seq_length=None,
             mask_flat=None,
             storage=storage,
+        )
+
+    def _fr_info(self, index: tuple, heads: np.ndarray, steps: int, storage: Any) -> dict[Any, Any]:
+        """TorchRL's ``_finalize_index`` info: flags and ``is_init`` markers, same values.
+
+        ``heads``: position of each slice's first step among the ``steps`` sampled steps.
+        """
+        data = storage._storage
+        info: dict[Any, Any] = {}
+        if self.truncated_key is not None:
+            last = np.zeros((steps, 1), dtype=bool)
+            last[heads[1:] - 1] = last[-1] = True
+            info.update(
+                truncation_flags(
+                    self.truncated_key,
+                    data,
+                    index,
+                    torch.from_numpy(last),
+                    lambda key, leaf: self._fr_ends_trajectories(key, leaf, index),
+                )
+            )
+        init_key = init_marker_key(self)
+        existing = None if init_key is None else data.get(init_key, default=None)
+        if existing is not None:
+            existing = take(existing, index)
+            marker = np.zeros(existing.shape, dtype=bool)
+            marker[heads] = True
+            info[init_key] = torch.from_numpy(marker).to(existing.device) | existing
+        return info
+
+    def _fr_ends_trajectories(self, key: NestedKey, leaf: torch.Tensor, index: tuple) -> bool:
+        """Whether every ``True`` in ``leaf`` (stored at ``key``) ends an indexed trajectory.
+
+        Then a slice, which stays inside one trajectory, holds one only on its last step, where
+        ``truncated`` is set: ``leaf[index] | truncated`` is ``truncated``, with no gather from
+        the storage (a cache miss per slice in a large buffer).
+        """
+        sync = self._fr_sync
+        return (
+            sync.mode == "done"
+            and key in sync.keys
+            and len(index) == 1
+            and leaf.dtype == torch.bool
+            and leaf.shape[1:] == (1,)
         )
 
     def _finalize_index(self, *, storage: Any, **kwargs: Any) -> tuple[Any, dict]:
@@ -529,7 +596,9 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         )
         start, length, col = index.select(ranks.cpu().numpy(), min_length)
         if storage.ndim == 1 and not (any_short and not self.strict_length) and not any(self.span):
-            result = self._fr_slices(storage, start, length, seq_length, storage.shape[0], device)
+            result = self._fr_slices(
+                storage, start, length, seq_length, storage.shape[0], device, synced=True
+            )
             self._warn_if_short_batch(result[0], batch_size)  # as TorchRL's ``sample`` (nightly)
             return result
         start_idx = sync.with_coords(storage, start, col).to(device)

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict.utils import NestedKey
 
 from fastreplay._core.epoch_permutation import EpochPermutation
 from fastreplay._core.slice_index import slice_index
@@ -25,12 +24,10 @@ from fastreplay._torchrl import (
     SliceSamplerWithoutReplacementBase,
     Storage,
     TorchRLSliceSamplerWithoutReplacement,
-    init_marker_key,
     is_batch_time,
     pads_short_slices,
 )
 from fastreplay.samplers._index_sync import IndexSync
-from fastreplay.samplers._slice_info import take, truncation_flags
 from fastreplay.samplers.slice import SliceSampler, _check_count
 
 __all__ = ["SliceSamplerWithoutReplacement"]
@@ -190,52 +187,6 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         )
         index = tuple(torch.from_numpy(a) for a in steps)
         return index, self._fr_info(index, heads, steps[0].size, storage)
-
-    def _fr_info(
-        self, index: tuple, heads: np.ndarray, steps: int, storage: Storage
-    ) -> dict[Any, Any]:
-        """TorchRL's ``_finalize_index`` info: flags and ``is_init`` markers, same values.
-
-        ``heads``: position of each slice's first step among the ``steps`` sampled steps.
-        """
-        data = storage._storage
-        info: dict[Any, Any] = {}
-        if self.truncated_key is not None:
-            last = np.zeros((steps, 1), dtype=bool)
-            last[heads[1:] - 1] = last[-1] = True
-            info.update(
-                truncation_flags(
-                    self.truncated_key,
-                    data,
-                    index,
-                    torch.from_numpy(last),
-                    lambda key, leaf: self._fr_ends_trajectories(key, leaf, index),
-                )
-            )
-        init_key = init_marker_key(self)
-        existing = None if init_key is None else data.get(init_key, default=None)
-        if existing is not None:
-            existing = take(existing, index)
-            marker = np.zeros(existing.shape, dtype=bool)
-            marker[heads] = True
-            info[init_key] = torch.from_numpy(marker).to(existing.device) | existing
-        return info
-
-    def _fr_ends_trajectories(self, key: NestedKey, leaf: torch.Tensor, index: tuple) -> bool:
-        """Whether every ``True`` in ``leaf`` (stored at ``key``) ends an indexed trajectory.
-
-        Then a slice, which stays inside one trajectory, holds one only on its last step, where
-        ``truncated`` is set: ``leaf[index] | truncated`` is ``truncated``, with no gather from
-        the storage (a cache miss per slice in a large buffer).
-        """
-        sync = self._fr_sync
-        return (
-            sync.mode == "done"
-            and key in sync.keys
-            and len(index) == 1
-            and leaf.dtype == torch.bool
-            and leaf.shape[1:] == (1,)
-        )
 
     # ------------------------------------------------------------------------- epochs
     # TorchRL keeps an epoch as ``_sample_list``: the trajectories left in a permutation drawn
