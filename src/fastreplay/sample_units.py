@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastreplay._core.sequence_windows import windows
 from fastreplay._torchrl import (
     HAS_EPISODE_BOUNDARIES,
     TorchRLSequence,
@@ -268,6 +269,63 @@ _fast_classes: dict[type, Any] = {}  # TorchRL's unit class -> fastreplay's
 
 if TorchRLSequence is not None:
     _SEQUENCE_EXPAND = episode_boundaries_expand(_boundary_index)
+    _TORCHRL_SEQUENCE_EXPAND = (
+        TorchRLSequence.expand if _SEQUENCE_EXPAND is None else _SEQUENCE_EXPAND
+    )
+
+    def _expand_sequence(
+        unit: Any, index: Any, info: dict[str, Any], storage: Any
+    ) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """TorchRL's ``Sequence.expand`` for 1-D ``int64`` CPU anchors, or ``None``.
+
+        The same statements as TorchRL's, in its order (the info entries repeated per record,
+        then ``sequence_id``, ``step_in_sequence``, ``learning_mask``, ``anchor_index``,
+        ``validity_mask``), with the window arithmetic on NumPy arrays. ``O(batch x window)``
+        plus the boundary query.
+        """
+        unit._check_storage(storage)
+        if not (
+            type(index) is torch.Tensor
+            and index.ndim == 1
+            and index.dtype == torch.long
+            and index.device.type == "cpu"
+            and storage.ndim == 1
+        ):
+            return None
+        anchor = index.clone()
+        batch = anchor.shape[0]
+        burn_in, length, bootstrap = unit.burn_in, unit.length, unit.bootstrap
+        total = burn_in + length + bootstrap
+        expanded: dict[str, Any] = {}
+        for key, value in info.items():
+            tensor = torch.as_tensor(value)
+            expanded[key] = value if tensor.ndim == 0 else tensor.repeat_interleave(total, dim=0)
+        steps = np.arange(total, dtype=np.int64)
+        learning = (steps >= burn_in) & (steps < burn_in + length)
+        expanded["sequence_id"] = torch.from_numpy(
+            np.repeat(np.arange(batch, dtype=np.int64), total)
+        )
+        expanded["step_in_sequence"] = torch.from_numpy(np.tile(steps, batch))
+        expanded["learning_mask"] = torch.from_numpy(np.tile(learning, batch))
+        expanded["anchor_index"] = anchor.repeat_interleave(total, dim=0)
+        host = anchor.numpy()
+        policy = unit.episode_boundary
+        if policy in ("pad", "stop"):
+            boundary = unit._episode_boundaries(storage, unit.done_key, anchor.device)
+            back, ahead = (d.numpy() for d in boundary.distances(anchor))
+            modulus = int(boundary.length)
+        else:  # "include_reset": only the write seam and unwritten rows bound a window
+            modulus = int(storage.shape[0])
+            newest = unit._newest_index(storage, modulus)
+            oldest = (newest + 1) % modulus if storage._is_full else 0
+            ahead = np.remainder(newest - host, modulus)
+            back = np.remainder(host - oldest, modulus)
+        rows, valid = windows(
+            host, back, ahead, length=length, burn_in=burn_in, bootstrap=bootstrap,
+            dilation=unit.dilation, policy=policy, modulus=modulus,
+        )  # fmt: skip
+        expanded["validity_mask"] = torch.from_numpy(valid.reshape(-1))
+        return torch.from_numpy(rows.reshape(-1)), expanded
 
     class Sequence(_IndexedUnit, TorchRLSequence):
         """TorchRL's ``Sequence`` sample unit, with its episode boundaries kept per write.
@@ -312,8 +370,20 @@ if TorchRLSequence is not None:
             ([5, 5, 6, 7], [False, True, True, True])
         """
 
-        if _SEQUENCE_EXPAND is not None:
-            expand = _SEQUENCE_EXPAND
+        def expand(
+            self, index: Any, info: dict[str, Any], storage: Any
+        ) -> tuple[Any, dict[str, Any]]:
+            """TorchRL's ``Sequence.expand``: the same records, masks and info entries.
+
+            A 1-D CPU storage with ``int64`` anchors is expanded in a few NumPy passes
+            (:func:`fastreplay._core.sequence_windows.windows`), anything else by TorchRL's
+            code; both read the episode boundaries from the index. ``O(batch x window +
+            batch x log(trajectories))``.
+            """
+            expanded = _expand_sequence(self, index, info, storage)
+            if expanded is not None:
+                return expanded
+            return _TORCHRL_SEQUENCE_EXPAND(self, index, info, storage)
 
     _fast_classes[TorchRLSequence] = Sequence
     __all__ += ["Sequence"]
