@@ -29,6 +29,7 @@ from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 import fastreplay
 from benchmarks.harness import (
+    NotMeasured,
     Result,
     choice_list,
     counts_text,
@@ -240,6 +241,11 @@ def _row(label: str, times: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> list[Result]:
+    if not hasattr(fastreplay, "Sequence"):
+        raise NotMeasured(
+            f"TorchRL {fastreplay._torchrl.TORCHRL_VERSION} has no sample units "
+            "(TorchRL 0.14 added them)"
+        )
     cases = [c.strip() for c in args.seq_cases.split(",") if c.strip()]
     results = []
     for capacity in parse_counts(args.seq_capacity):
