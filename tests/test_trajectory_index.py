@@ -332,3 +332,24 @@ def test_a_length_kept_to_gets_one_exact_ring() -> None:
     eligible = index.cols[0].eligible
     assert (eligible.counts.builds, eligible.exact_builds, list(eligible.exact)) == (1, 1, [16])
     _check_every_length(index, [16])
+
+
+def test_a_sampler_kept_to_one_length_gets_its_ring_after_a_few_selects() -> None:
+    """However many trajectories: the first ring comes after RECENT selects, not after the
+    scans add up to a build (which would take thousands of samples at hundreds of millions
+    of items); selects are then O(batch)."""
+    from fastreplay._core.eligible_counts import RECENT
+
+    rows = 400_003
+    index = TrajectoryIndex(rows, 1, "done")
+    done = np.zeros((rows, 1), dtype=bool)
+    done[49::50] = True  # 8,000 trajectories of 50 steps
+    index.write(0, done)
+    eligible = index.cols[0].eligible
+    rng = np.random.default_rng(2)
+    for _ in range(RECENT - 1):
+        index.select(rng.integers(0, int(index.counts(32).sum()), 8), 32)
+    assert eligible.exact_builds == 0  # 15 selects of 8 ranks: far from a ring build's work
+    index.select(rng.integers(0, int(index.counts(32).sum()), 8), 32)
+    assert (eligible.exact_builds, list(eligible.exact)) == (1, [32])
+    _check_every_length(index, [32])

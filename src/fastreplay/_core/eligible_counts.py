@@ -16,11 +16,12 @@ trajectory closed or dropped, per length kept. Rows are kept for the most recent
 lengths while they fit a memory budget (least recently used dropped first).
 
 :class:`Eligibility` adds, for the (at most :data:`EXACT`) lengths used most, an exact ring of
-their eligible serials: an ``O(batch)`` select. A length gets one when the block scans spent on
-it since it last had none add up to a ring build (``O(trajectories)``) and the last
-:data:`RECENT` selects asked for at most :data:`EXACT` lengths: a sampler that keeps to one or
-two lengths pays the build once, and one rotating among more lengths builds no ring and keeps
-the ``O(batch x BLOCK)`` selects, with no rebuild per sample.
+their eligible serials: an ``O(batch)`` select. A length gets one when the last :data:`RECENT`
+selects asked for at most :data:`EXACT` lengths, and (for every ring after a column's first)
+the block scans spent on it since it last had none add up to a ring build
+(``O(trajectories)``): a sampler that keeps to one or two lengths pays the build once, after
+:data:`RECENT` selects, and one rotating among more lengths builds no ring and keeps the
+``O(batch x BLOCK)`` selects, with no rebuild per sample.
 """
 
 from __future__ import annotations
@@ -264,8 +265,8 @@ class Eligibility:
 
     Every length asked for has a row in :class:`EligibleCounts` (``O(batch x BLOCK)``
     selects); the :data:`EXACT` most recently promoted also have an exact ring of serials
-    (``O(batch)`` selects), promoted once their block scans add up to a ring build while the
-    recent selects keep to at most :data:`EXACT` lengths.
+    (``O(batch)`` selects), promoted while the recent selects keep to at most :data:`EXACT`
+    lengths (after a column's first ring, once their block scans add up to a ring build).
 
     Args:
         budget: The most bytes :class:`EligibleCounts` may take (a callable, read when needed).
@@ -363,7 +364,11 @@ class Eligibility:
         spent = self.credit.get(min_length, 0) + ranks.size * BLOCK
         # A ring build reads each closed length once, about twice a scanned one's cost; and
         # only lengths that alone (or with one other) make the recent selects get a ring.
-        if spent < 2 * closed or len(self.recent) < RECENT or len(set(self.recent)) > EXACT:
+        # The first ring is built as soon as the recent selects keep to a few lengths (the
+        # common sampler, whose later selects are then O(batch) at any size); a later one once
+        # the scans add up to its build, so that switching lengths cannot churn rings.
+        owed = self.exact_builds and spent < 2 * closed
+        if owed or len(self.recent) < RECENT or len(set(self.recent)) > EXACT:
             self.credit[min_length] = spent
             if len(self.credit) > 4 * len(self.counts.rows) + 16:  # forget dropped lengths
                 self.credit = {k: v for k, v in self.credit.items() if k in self.counts.rows}
