@@ -37,7 +37,7 @@ __all__ = ["BLOCK", "EXACT", "EligibleCounts", "Eligibility"]
 
 BLOCK = 32  # trajectories per block: a select scans one block per rank
 EXACT = 2  # lengths with an exact ring of eligible serials
-RECENT = 16  # selects that decide whether a sampler keeps to a few lengths
+RECENT = 4  # selects that decide whether a sampler keeps to a few lengths
 
 
 class EligibleCounts:
