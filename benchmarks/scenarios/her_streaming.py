@@ -115,14 +115,8 @@ def _her(args: argparse.Namespace, stored: int, params: dict) -> Result:
     ]
     _fill(buffers, stored, _her_data, ep, f"fill HER {fmt_count(stored)}")
     offsets = [[stored], [stored]]
-    repeats = max(3, min(args.repeats, 9))
-    t_fast, t_ref = interleaved_medians(
-        [
-            lambda i=i: _online(buffers[i], _her_data, offsets[i], ep, buffers[i].sample)
-            for i in range(2)
-        ],
-        [repeats, repeats],
-    )
+    calls = [rb.sample for rb in buffers]
+    t_fast, t_ref = _online_medians(args, buffers, _her_data, offsets, ep, calls)
     samples = []
     for rb in buffers:
         torch.manual_seed(args.seed)
@@ -133,34 +127,54 @@ def _her(args: argparse.Namespace, stored: int, params: dict) -> Result:
     )
 
 
-def _streaming(args: argparse.Namespace, stored: int, params: dict) -> Result:
-    ep, batch = args.hs_episode_len, args.hs_batch * _SLICE
-    capacity = stored + _ROOM
+def _slice_pair(name: str, stored: int, ep: int, desc: str) -> tuple[list, list]:
+    """The sampler ``name`` of fastreplay and of TorchRL (32-step slices), in TorchRL's buffers.
+
+    Each buffer is filled with ``stored`` steps of done flags.
+    """
     samplers = [
-        module.StreamingSliceSampler(slice_len=_SLICE, end_key=("next", "done"))
+        getattr(module, name)(slice_len=_SLICE, end_key=("next", "done"))
         for module in (fastreplay, trl)
     ]
     buffers = [
-        trl.TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), sampler=s) for s in samplers
+        trl.TensorDictReplayBuffer(storage=LazyTensorStorage(stored + _ROOM), sampler=s)
+        for s in samplers
     ]
-    _fill(buffers, stored, _done, ep, f"fill streaming {fmt_count(stored)}")
+    _fill(buffers, stored, _done, ep, f"fill {desc} {fmt_count(stored)}")
+    return samplers, buffers
+
+
+def _online_medians(
+    args: argparse.Namespace, buffers: list, make: Any, offsets: list, ep: int, calls: list
+) -> tuple[float, float]:
+    """Medians of ``extend(1000)`` (rows from ``make``) + ``calls[i]()`` on ``buffers[i]``."""
+    repeats = max(3, min(args.repeats, 9))
+    return interleaved_medians(
+        [
+            lambda i=i: _online(buffers[i], make, offsets[i], ep, calls[i])
+            for i in range(len(buffers))
+        ],
+        [repeats] * len(buffers),
+    )
+
+
+def _streaming(args: argparse.Namespace, stored: int, params: dict) -> Result:
+    ep, batch = args.hs_episode_len, args.hs_batch * _SLICE
+    samplers, buffers = _slice_pair("StreamingSliceSampler", stored, ep, "streaming")
     for rb, sampler in zip(buffers, samplers, strict=True):  # serve the windows queued by the fill
         while len(sampler._queued_slices) > args.hs_batch:
             rb.sample(batch)
     offsets = [[stored], [stored]]
-    repeats = max(3, min(args.repeats, 9))
-    t_fast, t_ref = interleaved_medians(
+    t_fast, t_ref = _online_medians(
+        args,
+        buffers,
+        _done,
+        offsets,
+        ep,
         [
-            lambda i=i: _online(
-                buffers[i],
-                _done,
-                offsets[i],
-                ep,
-                lambda: samplers[i].sample(buffers[i].storage, batch),
-            )
-            for i in range(2)
+            lambda s=s, rb=rb: s.sample(rb.storage, batch)
+            for s, rb in zip(samplers, buffers, strict=True)
         ],
-        [repeats, repeats],
     )
     results = []
     for rb, sampler in zip(buffers, samplers, strict=True):
@@ -188,29 +202,18 @@ def _streaming(args: argparse.Namespace, stored: int, params: dict) -> Result:
 
 def _can_sample(args: argparse.Namespace, stored: int, params: dict) -> Result:
     ep, batch = args.hs_episode_len, args.hs_batch * _SLICE
-    capacity = stored + _ROOM
-    samplers = [
-        module.SliceSampler(slice_len=_SLICE, end_key=("next", "done"))
-        for module in (fastreplay, trl)
-    ]
-    buffers = [
-        trl.TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), sampler=s) for s in samplers
-    ]
-    _fill(buffers, stored, _done, ep, f"fill can_sample {fmt_count(stored)}")
+    samplers, buffers = _slice_pair("SliceSampler", stored, ep, "can_sample")
     offsets = [[stored], [stored]]
-    repeats = max(3, min(args.repeats, 9))
-    t_fast, t_ref = interleaved_medians(
+    t_fast, t_ref = _online_medians(
+        args,
+        buffers,
+        _done,
+        offsets,
+        ep,
         [
-            lambda i=i: _online(
-                buffers[i],
-                _done,
-                offsets[i],
-                ep,
-                lambda: samplers[i].can_sample(buffers[i].storage, batch),
-            )
-            for i in range(2)
+            lambda s=s, rb=rb: s.can_sample(rb.storage, batch)
+            for s, rb in zip(samplers, buffers, strict=True)
         ],
-        [repeats, repeats],
     )
     answers = [
         (s.can_sample(rb.storage, batch), int(s._sampleable_count(rb.storage, batch)))
