@@ -43,20 +43,9 @@ from fastreplay._torchrl import (
     torchrl_episode_boundaries,
 )
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
-from fastreplay.samplers._index_sync import IndexSync
+from fastreplay.samplers._index_sync import DoneFlags, IndexSync
 
 __all__ = ["IndexedBoundaries", "record_write", "invalidate_writes", "fast_unit"]
-
-
-class _DoneKey:
-    """What :class:`IndexSync` reads from a slice sampler to find its signal: one done key."""
-
-    _traj_key_auto = False
-    _fetch_traj = False
-    end_keys = None
-
-    def __init__(self, key: Any) -> None:
-        self.end_key = key
 
 
 class _CountingSync(IndexSync):
@@ -74,7 +63,7 @@ class _Entry:
 
     def __init__(self, done_key: Any) -> None:
         self.sync = _CountingSync()
-        self.key = _DoneKey(done_key)
+        self.key = DoneFlags(end_key=done_key)
         self.lock = threading.Lock()
 
 

@@ -37,21 +37,9 @@ from fastreplay._torchrl import (
 from fastreplay.buffers.paths import PathChoice
 from fastreplay.buffers.samples import PinnedSamples
 from fastreplay.buffers.sharing import SharedBufferChecks
-from fastreplay.samplers._index_sync import IndexSync
+from fastreplay.samplers._index_sync import DoneFlags, IndexSync
 
 __all__ = ["HERReplayBuffer"]
-
-
-class _EndKeys:
-    """The signal :class:`IndexSync` reads, named as a slice sampler names it: done flags."""
-
-    _traj_key_auto = False
-    _fetch_traj = False
-    traj_key = None
-    end_key = None
-
-    def __init__(self, keys: tuple) -> None:
-        self.end_keys = keys
 
 
 class _IndexedEpisodes:
@@ -227,7 +215,7 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         keys = self._fr_end_keys(storage)
         if keys is None:
             return self._fr_scanned_ends(storage)
-        index = self._fr_her.sync(storage, _EndKeys(keys))
+        index = self._fr_her.sync(storage, DoneFlags(end_keys=keys))
         n = storage_len(storage)
         if storage._is_full:
             cursor = her_cursor(getattr(storage, "_last_cursor", None))

@@ -33,7 +33,7 @@ from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
-__all__ = ["IndexSync"]
+__all__ = ["DoneFlags", "IndexSync"]
 
 _READ_CHUNK = 1 << 24  # rows read at once when rebuilding from the whole storage
 
@@ -49,6 +49,23 @@ class _KeyProbe:
 
     def __iter__(self) -> Any:
         return iter(self.data.keys(include_nested=True, leaves_only=True))
+
+
+class DoneFlags:
+    """The signal a reader other than a slice sampler gives :meth:`IndexSync.sync`: done flags.
+
+    Named as a slice sampler names them (``end_key``, or any of ``end_keys``), with no
+    trajectory-id key: what a sample unit (one ``done_key``) and ``HERReplayBuffer`` (its
+    done and terminated keys) read. O(1).
+    """
+
+    _traj_key_auto = False
+    _fetch_traj = False
+    traj_key = None
+
+    def __init__(self, end_key: Any = None, end_keys: tuple | None = None) -> None:
+        self.end_key = end_key
+        self.end_keys = end_keys
 
 
 class IndexSync:
