@@ -68,9 +68,9 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   no-op where TorchRL has none), and fastreplay's fast paths call it where TorchRL does.
 * **The left-span warning** (:func:`warn_left_span_disabled`): ``PrioritizedSliceSampler(span=
   True)`` turns left spanning off and warns, from TorchRL's own module (``samplers`` on 0.13,
-  ``samplers.prioritized_slice`` on 0.14 and the nightly). fastreplay's sampler runs that
-  ``warnings.warn`` statement, read from the installed ``__init__``, so the text, category,
-  file, line, module and once-registry are the installed TorchRL's.
+  ``samplers.prioritized_slice`` on 0.14 and the nightly). fastreplay's sampler emits the
+  same text and category through ``warnings.warn_explicit``, attributed to the line of the
+  installed ``__init__`` that warns (found in its bytecode), its module and once-registry.
 * **Sampler attributes**: the nightly's ``Sampler.requires_shared_state`` (``False`` for
   ``SliceSampler``, ``True`` for the without-replacement and prioritized ones) is inherited
   as it is.
@@ -108,10 +108,10 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   the nightly have ``torchrl.data.replay_buffers.sample_units`` (``Sequence``; the nightly
   adds ``SubgoalTriplet``); 0.13 has no sample units. The nightly reads a unit's episode
   boundaries through the static method ``SampleUnit._episode_boundaries(storage, done_key,
-  device)``; 0.14 builds them inline in ``Sequence.expand`` (``done = storage.get(...)``,
-  then ``_ReplayBoundaryIndex(...)``). There, :func:`episode_boundaries_expand` recompiles
-  the installed ``expand`` with that block replaced by a call to ``_episode_boundaries``
-  (read from its source), so one hook serves every version.
+  device)``; 0.14 builds the same object inline in ``Sequence.expand``, which fastreplay runs
+  unmodified where its own expansion does not apply. :func:`torchrl_episode_boundaries`
+  builds TorchRL's object on both. :func:`is_torchrl_function` tells TorchRL's own
+  ``Sequence.expand`` from one a user patched in (then run as it is).
 * **Buffer bookkeeping** (:class:`Bookkeeping`): what TorchRL's buffer methods do besides
   moving data, which fastreplay's direct buffer path does at the same points through this one
   class: the nightly's readiness notification after every write
@@ -119,26 +119,26 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   ``wait_until_sampleable``), its per-buffer sample counters (``sample_calls`` and
   ``samples_returned`` of ``stats()``, saved in checkpoints), the sampler's names for the
   sample's dimensions (``Sampler._set_sample_names``: ``time_dim_name`` for ``batch_time``
-  samples), and the frame that calls the sampler (so a sampler's warning with TorchRL's
-  ``stacklevel`` is attributed to TorchRL's buffer module, as there). 0.13 and 0.14 have none
-  of the first three. ``tests/conformance/test_bookkeeping.py`` traces which TorchRL functions
+  samples). 0.13 and 0.14 have none of them. A sampler's warning that TorchRL emits with a
+  ``stacklevel`` pointing at the caller of ``sample`` (:func:`warn_at_sample_caller`) is
+  attributed, on fastreplay's direct path, to the line of TorchRL's buffer that calls the
+  sampler, as there. ``tests/conformance/test_bookkeeping.py`` traces which TorchRL functions
   each buffer call runs on both paths, on every version, so a bookkeeping step a new TorchRL
   adds cannot be skipped unnoticed.
 """
 
 from __future__ import annotations
 
-import ast
+import dis
 import functools
 import inspect
 import sys
-import textwrap
-import types
 import warnings
 from collections.abc import Callable
 from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
+import numpy as np
 import torch
 import torchrl
 from torchrl._utils import _replace_last as _replace_last
@@ -232,7 +232,10 @@ __all__ = [
     "TorchRLTransition",
     "ReplayBoundaryIndex",
     "torchrl_episode_boundaries",
-    "episode_boundaries_expand",
+    "is_torchrl_function",
+    "warn_at_sample_caller",
+    "take",
+    "truncation_flags",
 ]
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -445,59 +448,88 @@ LEFT_SPAN_MESSAGE = "Left spanning is disabled for "
 """The start of ``PrioritizedSliceSampler``'s warning when ``span`` asks for a left span."""
 
 
-@functools.cache
-def _left_span_warning() -> Callable[[Any], None]:
-    """TorchRL's ``warnings.warn`` statement for a left span, as a function of ``self``.
+def _function(method: Any) -> Any:
+    """The plain function under ``method``'s decorators (``__wrapped__``, or a closure cell)."""
+    method = inspect.unwrap(method)
+    for cell in method.__closure__ or ():  # a decorator without ``functools.wraps``
+        inner = cell.cell_contents
+        if inspect.isfunction(inner):
+            method = inner
+    return method
 
-    The statement is read from the installed ``PrioritizedSliceSampler.__init__`` and compiled
-    with its file name and line numbers, to run in the globals of TorchRL's module: the warning
-    it emits is TorchRL's (text, category, ``filename``/``lineno``, ``module`` for
-    ``filterwarnings``, and the ``__warningregistry__`` of ``"default"``/``"once"`` filters).
-    Where the source cannot be read, the same text is emitted with the same attribution through
-    ``warnings.warn_explicit``, pointing at the first line of ``__init__``.
+
+def _instructions(code: Any) -> list[tuple[int | None, Any]]:
+    """``(line, instruction)`` for each instruction of ``code``, as its traceback shows it."""
+    found = []
+    line = code.co_firstlineno
+    for instruction in dis.get_instructions(code):
+        positions = getattr(instruction, "positions", None)  # Python 3.11+
+        if positions is not None and positions.lineno is not None:
+            line = positions.lineno
+        elif isinstance(instruction.starts_line, int) and instruction.starts_line is not True:
+            line = instruction.starts_line  # Python 3.10
+        found.append((line, instruction))
+    return found
+
+
+def _call_line(method: Any, owner: str, name: str) -> int | None:
+    """The line of ``method`` that calls ``<...>.{owner}.{name}(...)``, from its bytecode.
+
+    ``None`` if no instruction loads attribute ``name`` right after attribute ``owner``.
+    O(instructions of ``method``), once.
     """
-    init = TorchRLPrioritizedSliceSampler.__init__
-    module = sys.modules[init.__module__]
-    try:
-        lines, first = inspect.getsourcelines(init)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        tree = None
-    statement = next(
-        (
-            node
-            for node in ast.walk(tree or ast.Module(body=[], type_ignores=[]))
-            if isinstance(node, ast.Expr)
-            and isinstance(node.value, ast.Call)
-            and ast.unparse(node.value.func).endswith("warn")
-            and LEFT_SPAN_MESSAGE in ast.unparse(node.value)
-        ),
-        None,
+    previous = None
+    for line, instruction in _instructions(method.__code__):
+        loads_attribute = "ATTR" in instruction.opname or instruction.opname == "LOAD_METHOD"
+        if loads_attribute and instruction.argval == name and previous == owner:
+            return line
+        previous = instruction.argval if loads_attribute else None
+    return None
+
+
+def _module_site(function: Any, line: int) -> tuple[str, int, str, dict[str, Any]]:
+    """``(filename, line, module, globals)`` of ``function``'s module, for ``warn_explicit``."""
+    return function.__code__.co_filename, line, function.__module__, function.__globals__
+
+
+def _warn_at(site: tuple[str, int, str, dict[str, Any]], message: str, category: type) -> None:
+    """``warnings.warn`` as if issued at ``site``: same filters, module and once-registry."""
+    filename, line, module, module_globals = site
+    warnings.warn_explicit(
+        message,
+        category,
+        filename,
+        line,
+        module=module,
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
     )
-    if statement is None:
 
-        def fallback(self: Any) -> None:
-            warnings.warn_explicit(
-                f"{LEFT_SPAN_MESSAGE}{type(self).__name__} and will be automatically turned "
-                "off. If this feature is required, please file an issue on torchrl GitHub repo.",
-                UserWarning,
-                init.__code__.co_filename,
-                init.__code__.co_firstlineno,
-                module=init.__module__,
-                registry=module.__dict__.setdefault("__warningregistry__", {}),
-                module_globals=module.__dict__,
-            )
 
-        return fallback
-    function = ast.parse("def _warn_left_span_disabled(self):\n    pass\n")
-    ast.increment_lineno(function, statement.lineno - 1)  # the def line, before the statement
-    definition = function.body[0]
-    assert isinstance(definition, ast.FunctionDef)
-    definition.body = [statement]
-    ast.increment_lineno(function, first - 1)
-    code = compile(function, init.__code__.co_filename, "exec")
-    body = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return types.FunctionType(body, module.__dict__)
+LEFT_SPAN_MESSAGE = "Left spanning is disabled for "
+"""The start of ``PrioritizedSliceSampler``'s warning when ``span`` asks for a left span."""
+
+
+@functools.cache
+def _left_span_site() -> tuple[str, int, str, dict[str, Any]]:
+    """Where the installed ``PrioritizedSliceSampler.__init__`` issues its left-span warning.
+
+    The line of the ``warn`` call whose message starts with :data:`LEFT_SPAN_MESSAGE`, read
+    from ``__init__``'s bytecode (checked on 0.13.3, 0.14.1 and the nightly), else
+    ``__init__``'s first line. O(instructions), once.
+    """
+    init = _function(TorchRLPrioritizedSliceSampler.__init__)
+    line = init.__code__.co_firstlineno
+    warn_line = None
+    for at, instruction in _instructions(init.__code__):
+        if instruction.argval == "warn":
+            warn_line = at
+        elif isinstance(instruction.argval, str) and instruction.argval.startswith(
+            LEFT_SPAN_MESSAGE
+        ):
+            line = warn_line if warn_line is not None else at
+            break
+    return _module_site(init, line)
 
 
 def warn_left_span_disabled(sampler: Any) -> None:
@@ -506,10 +538,114 @@ def warn_left_span_disabled(sampler: Any) -> None:
     ``PrioritizedSliceSampler.__init__`` warns so when ``span`` asks for a left span, from
     its own module (``torchrl.data.replay_buffers.samplers`` on 0.13,
     ``...samplers.prioritized_slice`` on 0.14 and the nightly), with the sampler's class name
-    in the text. This runs the installed version's statement (see :func:`_left_span_warning`),
-    so ``filterwarnings(message=..., module=...)`` written for TorchRL's warning applies.
+    in the text. The same text and category are emitted here with ``warnings.warn_explicit``,
+    at that statement's file and line, with its module's name and once-registry
+    (:func:`_left_span_site`), so ``filterwarnings(message=..., module=...)`` written for
+    TorchRL's warning applies. O(1).
     """
-    _left_span_warning()(sampler)
+    _warn_at(
+        _left_span_site(),
+        f"{LEFT_SPAN_MESSAGE}{type(sampler).__name__} and will be automatically turned off. "
+        "If this feature is required, please file an issue on torchrl GitHub repo.",
+        UserWarning,
+    )
+
+
+@functools.cache
+def _sampler_call_site() -> tuple[str, int, str, dict[str, Any]]:
+    """Where TorchRL's ``TensorDictReplayBuffer._sample`` calls ``self._sampler.sample``.
+
+    Read from its bytecode (checked on 0.13.3, 0.14.1 and the nightly); its first line where
+    that call is not found. O(instructions), once.
+    """
+    method = _function(TorchRLBuffer._sample)
+    line = _call_line(method, "_sampler", "sample")
+    return _module_site(method, method.__code__.co_firstlineno if line is None else line)
+
+
+_SAMPLER_MODULES = ("fastreplay.samplers", _samplers.__name__)
+
+
+def warn_at_sample_caller(message: str, category: type) -> None:
+    """Warn as TorchRL's samplers do with a ``stacklevel`` naming the caller of ``sample``.
+
+    The warning is attributed to the first frame outside the samplers' modules (fastreplay's
+    and TorchRL's): the user's code or TorchRL's buffer, as with TorchRL's sampler. Where
+    that frame is fastreplay's own (its direct buffer path calls the sampler in place of
+    TorchRL's ``_sample``), to the line of TorchRL's ``_sample`` that calls the sampler, with
+    its module and once-registry: ``filterwarnings(module="torchrl")`` applies, as there.
+    O(stack depth), only when warning.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_SAMPLER_MODULES):
+        frame = frame.f_back
+    if frame is None or frame.f_globals.get("__name__", "").startswith("fastreplay."):
+        site = _sampler_call_site()
+    else:
+        site = (frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", ""),
+                frame.f_globals)  # fmt: skip
+    _warn_at(site, message, category)
+
+
+def _short_batch_warning(requested: int, returned: int) -> str:
+    """The nightly's ``SliceSampler`` short-batch warning text."""
+    return (
+        f"{SHORT_FLAT_BATCH_MESSAGE}: requested {requested} transitions but returned "
+        f"{returned}. Use output_layout='batch_time' for padded, fixed-shape output or "
+        "strict_length=True to sample only eligible trajectories."
+    )
+
+
+# ---------------------------------------------------------------------- slice info
+def take(leaf: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``leaf[index]``; with numpy for the boolean flags of a 1-dim CPU storage (4x faster)."""
+    if len(index) == 1 and leaf.dtype == torch.bool and leaf.device.type == "cpu":
+        return torch.from_numpy(np.take(leaf.numpy(), index[0].numpy(), axis=0))
+    return leaf[index]
+
+
+def truncation_flags(
+    truncated_key: Any,
+    data: Any,
+    index: tuple[torch.Tensor, ...],
+    truncated: torch.Tensor,
+    ends_slices: Callable[[Any, torch.Tensor], bool] | None = None,
+) -> dict[Any, torch.Tensor]:
+    """TorchRL's ``{truncated_key: ..., done: ..., terminated: ...}`` for one slice sample.
+
+    TorchRL's slice samplers add three flags to a sample's ``info`` when ``truncated_key`` is
+    set: ``truncated`` (``True`` at each slice's last step), ``done`` (the stored done flag at
+    the sampled steps, OR-ed with ``truncated``) and ``terminated`` (the stored terminated
+    flag, or ``False``), under ``truncated_key``'s parent. Built from the storage's
+    TensorDict, reading only those two keys at the sampled steps.
+
+    Args:
+        truncated_key: The sampler's ``truncated_key`` (the other two keys are its siblings).
+        data: The storage's TensorDict (``storage._storage``).
+        index: The sampled steps, one coordinate tensor per storage dimension.
+        truncated: ``[steps, 1]`` booleans, ``True`` at each slice's last step.
+        ends_slices: Optional ``(key, leaf) -> bool``: ``True`` when every ``True`` of the
+            stored done flags ends a trajectory, so that within a slice it can only fall on
+            the last step: ``done`` is then ``truncated`` with no gather from the storage.
+
+    Returns:
+        The three flags, ``[steps, 1]`` each. O(steps).
+    """
+    done_key = _replace_last(truncated_key, "done")
+    terminated_key = _replace_last(truncated_key, "terminated")
+    done = data.get(done_key, default=None)
+    terminated = data.get(terminated_key, default=None)
+    if done is None or (ends_slices is not None and ends_slices(done_key, done)):
+        done = truncated.clone()
+    else:
+        done = take(done, index) | truncated
+    return {
+        truncated_key: truncated,
+        done_key: done,
+        terminated_key: torch.zeros_like(truncated)
+        if terminated is None
+        else take(terminated, index),
+    }
 
 
 class _SliceHooks:
@@ -541,6 +677,22 @@ class _SliceHooks:
         def _warn_if_short_batch(self, index: Any, requested_size: int) -> None:
             """TorchRL 0.13/0.14 do not warn on short flat batches."""
 
+    else:
+
+        def _warn_if_short_batch(self, index: Any, requested_size: int) -> None:
+            """The nightly's warning, once per sampler, attributed as TorchRL's.
+
+            TorchRL warns with ``stacklevel=3``, at the caller of ``sample``; fastreplay's
+            ``sample`` may run TorchRL's, so the caller is found past both
+            (:func:`warn_at_sample_caller`). O(1) unless warning.
+            """
+            if self.output_layout != "flat" or self._warned_short_batch:
+                return
+            returned = index[0].numel() if isinstance(index, tuple) else index.numel()
+            if returned < requested_size:
+                self._warned_short_batch = True
+                warn_at_sample_caller(_short_batch_warning(requested_size, returned), UserWarning)
+
     if not HAS_FINALIZE_INDEX:
 
         def _finalize_index(
@@ -554,8 +706,6 @@ class _SliceHooks:
             storage: Any,
         ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
             """TorchRL 0.13's ``_get_index`` tail: the slice flags and ``is_init`` markers."""
-            from fastreplay.samplers._slice_info import truncation_flags  # (imports this)
-
             index = index.to(torch.long).unbind(-1)
             st_index = storage[index]
             info: dict[Any, Any] = {}
@@ -600,13 +750,24 @@ NOTIFIES_READINESS: bool = hasattr(TorchRLReplayBuffer, "_notify_replay_state_ch
 """Whether TorchRL's buffers notify waiting samplers after each write (nightly)."""
 
 
+def _constants(code: Any) -> set[Any]:
+    """The constants of ``code`` and of the code objects nested in it."""
+    found = set()
+    for constant in code.co_consts:
+        if inspect.iscode(constant):
+            found |= _constants(constant)
+        elif isinstance(constant, str):
+            found.add(constant)
+    return found
+
+
 def _counts_samples() -> tuple[str, ...]:
-    """The counters ``ReplayBuffer.sample`` increments (read from its code), in its order."""
+    """The counters ``ReplayBuffer.sample`` increments (named in its code), in its order."""
     if not hasattr(TorchRLReplayBuffer, "_increment_counter"):
         return ()
-    code = inspect.getsource(TorchRLReplayBuffer.sample)
     names = ("_sample_call_count_value", "_sampled_item_count_value")
-    return names if all(f'"{name}"' in code for name in names) else ()
+    constants = _constants(_function(TorchRLReplayBuffer.sample).__code__)
+    return names if all(name in constants for name in names) else ()
 
 
 SAMPLE_COUNTERS: tuple[str, ...] = _counts_samples()
@@ -615,41 +776,6 @@ SAMPLE_COUNTERS: tuple[str, ...] = _counts_samples()
 
 NAMES_SAMPLES: bool = hasattr(Sampler, "_set_sample_names")
 """Whether TorchRL's buffers let the sampler name the sample's dimensions (nightly)."""
-
-
-def _torchrl_frame(method: Any, call: str, source: str) -> Any:
-    """A function whose frame reads as ``method``'s line calling ``call`` (same file, module).
-
-    ``source`` defines one function; its body (one line) is compiled at the line where
-    ``method`` makes the call, with ``method``'s module globals, so that ``warnings`` sees the
-    same ``filename``, ``lineno`` and ``module`` for a warning issued below it with a
-    ``stacklevel`` that points at that caller. Falls back to the plain function if the call is
-    not found. O(1) per call.
-    """
-    namespace: dict[str, Any] = {}
-    method = inspect.unwrap(method)
-    for cell in method.__closure__ or ():  # a decorator without ``functools.wraps``
-        inner = cell.cell_contents
-        if inspect.isfunction(inner):
-            method = inner
-    try:
-        lines, first = inspect.getsourcelines(method)
-        offset = next(i for i, line in enumerate(lines) if call in line)
-        lineno = first + offset
-        filename = inspect.getsourcefile(method) or "<torchrl>"
-        code = compile("\n" * max(lineno - 2, 0) + source, filename, "exec")
-        exec(code, method.__globals__, namespace)  # defines the function only
-    except (OSError, TypeError, StopIteration):
-        exec(source, {}, namespace)
-    return next(iter(namespace.values()))
-
-
-_call_sampler = _torchrl_frame(
-    TorchRLBuffer._sample,
-    "self._sampler.sample(",
-    "def _call_sampler(sampler, storage, batch_size):\n"
-    "    return sampler.sample(storage, batch_size)\n",
-)
 
 
 def sampled_items(index: Any, storage: Any) -> int:
@@ -669,10 +795,6 @@ class Bookkeeping:
     data, through TorchRL's own methods, and nothing where that TorchRL does nothing (see
     the module docstring). All O(1).
     """
-
-    call_sampler = staticmethod(_call_sampler)
-    """``sampler.sample(storage, batch_size)`` from a frame of TorchRL's
-    ``TensorDictReplayBuffer._sample`` (where TorchRL's buffers call their sampler)."""
 
     if NOTIFIES_READINESS:
 
@@ -764,170 +886,53 @@ HAS_EPISODE_BOUNDARIES: bool = hasattr(TorchRLSampleUnit, "_episode_boundaries")
 (nightly); 0.14 builds them inline in ``Sequence.expand``."""
 
 
-def _is_boundary_assign(node: ast.stmt) -> bool:
-    """``boundary = _ReplayBoundaryIndex(...)`` with ``storage=``, ``source=``, ``device=``."""
-    if not (
-        isinstance(node, ast.Assign)
-        and len(node.targets) == 1
-        and isinstance(node.targets[0], ast.Name)
-        and isinstance(node.value, ast.Call)
-        and ast.unparse(node.value.func) == "_ReplayBoundaryIndex"
-    ):
-        return False
-    keywords = {k.arg: k.value for k in node.value.keywords}
-    source = keywords.get("source")
-    return (
-        {"storage", "source", "device", "end"} <= keywords.keys()
-        and isinstance(source, ast.Tuple)
-        and len(source.elts) == 2
-        and isinstance(keywords["end"], ast.Name)
-    )
+if HAS_EPISODE_BOUNDARIES:
+    _boundaries = TorchRLSampleUnit._episode_boundaries
+else:
 
+    def _boundaries(storage: Any, done_key: Any, device: Any) -> Any:
+        """0.14's ``Sequence.expand`` block that builds its boundary object (checked on 0.14.1).
 
-def _names(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-
-def _boundary_block(function: ast.FunctionDef) -> tuple[list[ast.stmt], int, int] | None:
-    """``(body, start, i)``: ``body[i]`` builds the boundary, ``body[start:i]`` its ``end``."""
-    for node in ast.walk(function):
-        body = getattr(node, "body", None)
-        if not isinstance(body, list):
-            continue
-        for i, statement in enumerate(body):
-            if not _is_boundary_assign(statement):
-                continue
-            assert isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call)
-            end = next(k.value for k in statement.value.keywords if k.arg == "end")
-            assert isinstance(end, ast.Name)
-            start = i
-            while start > 0 and end.id in _names(body[start - 1]):
-                start -= 1
-            if start == i or any(end.id in _names(s) for s in body[i + 1 :]):
-                return None  # the end tensor is used elsewhere: not only the boundary's input
-            return body, start, i
-    return None
-
-
-@functools.cache
-def _backported_expand() -> tuple[Any, Any] | None:
-    """0.14's ``Sequence.expand`` calling ``self._episode_boundaries``, and that block alone.
-
-    In the installed ``expand``, the statements that compute the ``end`` tensor passed to
-    ``_ReplayBoundaryIndex`` (the run just before it that assigns that name) and the
-    ``boundary = _ReplayBoundaryIndex(...)`` statement are replaced by
-    ``boundary = self._episode_boundaries(storage, done_key, device)``; the removed
-    statements become ``_episode_boundaries(storage, done_key, device)`` themselves (with
-    ``self.done_key`` read as ``done_key``). Both are compiled with ``expand``'s file name
-    and line numbers in TorchRL's module. ``None`` where that shape is not found.
-    """
-    if TorchRLSequence is None:
-        return None
-    method = TorchRLSequence.expand
-    try:
-        lines, first = inspect.getsourcelines(method)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    function = tree.body[0]
-    if not isinstance(function, ast.FunctionDef):
-        return None
-    found = _boundary_block(function)
-    if found is None:
-        return None
-    body, start, i = found
-    assign = body[i]
-    removed = body[start:i]
-    assert isinstance(assign, ast.Assign) and isinstance(assign.value, ast.Call)
-    keywords = {k.arg: k.value for k in assign.value.keywords}
-    source = keywords["source"]
-    assert isinstance(source, ast.Tuple)
-    done_key, storage, device = source.elts[1], keywords["storage"], keywords["device"]
-    if ast.unparse(done_key) != "self.done_key":
-        return None
-    call = ast.parse(
-        f"{ast.unparse(assign.targets[0])} = self._episode_boundaries("
-        f"{ast.unparse(storage)}, {ast.unparse(done_key)}, {ast.unparse(device)})"
-    ).body[0]
-    ast.increment_lineno(call, assign.lineno - 1)
-
-    class _DoneKey(ast.NodeTransformer):
-        def visit_Attribute(self, node: ast.Attribute) -> ast.AST:
-            if ast.unparse(node) == "self.done_key":
-                return ast.copy_location(ast.Name(id="done_key", ctx=ast.Load()), node)
-            return self.generic_visit(node)
-
-    hook = ast.parse(
-        f"def _episode_boundaries({ast.unparse(storage)}, done_key, {ast.unparse(device)}):\n"
-        "    pass\n"
-    ).body[0]
-    assert isinstance(hook, ast.FunctionDef)
-    hook.body = [_DoneKey().visit(s) for s in (*removed, assign)]
-    hook.body.append(ast.Return(value=ast.Name(id=ast.unparse(assign.targets[0]), ctx=ast.Load())))
-    if "self" in set().union(*(_names(s) for s in hook.body)):
-        return None  # the block reads more of the unit than its done_key
-    body[start : i + 1] = [call]
-    module = sys.modules[method.__module__]
-    compiled = []
-    for definition in (function, hook):
-        tree = ast.Module(body=[definition], type_ignores=[])
-        ast.fix_missing_locations(tree)
-        ast.increment_lineno(tree, first - 1)
-        code = compile(tree, method.__code__.co_filename, "exec")
-        body_code = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-        compiled.append(types.FunctionType(body_code, module.__dict__, definition.name))
-    expand, boundaries = compiled
-    expand.__qualname__ = method.__qualname__
-    expand.__doc__ = method.__doc__
-    return expand, boundaries
+        The nightly moved the same statements to ``SampleUnit._episode_boundaries``.
+        """
+        done = (
+            storage.get(done_key)
+            if done_key is not None
+            else torch.zeros(storage.shape, dtype=torch.bool, device=device)
+        )
+        while done.ndim > storage.ndim and done.shape[-1] == 1:
+            done = done.squeeze(-1)
+        return ReplayBoundaryIndex(
+            end=done,
+            at_capacity=storage._is_full,
+            cursor=getattr(storage, "_last_cursor_index", None),
+            device=device,
+            storage=storage,
+            source=("end", done_key),
+            cache_values=True,
+        )
 
 
 def torchrl_episode_boundaries(storage: Any, done_key: Any, device: Any) -> Any:
     """TorchRL's episode-boundary object for ``storage``/``done_key`` (its full scan).
 
-    The nightly's ``SampleUnit._episode_boundaries``; on 0.14, the block of
-    ``Sequence.expand`` that builds it (see :func:`episode_boundaries_expand`).
+    The nightly's ``SampleUnit._episode_boundaries``; on 0.14, the same statements, which its
+    ``Sequence.expand`` runs inline. O(items stored), cached by TorchRL until the next write.
     """
-    if HAS_EPISODE_BOUNDARIES:
-        return TorchRLSampleUnit._episode_boundaries(storage, done_key, device)
-    backported = _backported_expand()
-    if backported is None:
-        raise NotImplementedError("TorchRL's Sequence.expand has no boundary block here.")
-    return backported[1](storage, done_key, device)
+    return _boundaries(storage, done_key, device)
 
 
-def episode_boundaries_expand(boundaries: Callable[..., Any]) -> Any:
-    """``Sequence.expand`` reading its episode boundaries through ``self._episode_boundaries``.
+def is_torchrl_function(function: Any, cls: Any, name: str) -> bool:
+    """Whether ``function`` is ``cls.name`` as the installed TorchRL defines it.
 
-    ``None`` on the nightly (TorchRL's own ``expand`` does; override the static method). On
-    0.14, TorchRL's ``expand`` recompiled from its source with its boundary block replaced by
-    that call (:func:`_backported_expand`); where that block is not found, TorchRL's
-    ``expand`` run with ``_ReplayBoundaryIndex`` standing for
-    ``boundaries(storage, done_key, device, make)`` (``make()``: TorchRL's object), which
-    still reads ``storage.get(done_key)`` first.
+    ``False`` for a function a user put in its place (to backport a fix, say), before or
+    after ``import fastreplay``: it is defined in another module (other globals) or under
+    another name, even when it wraps TorchRL's. O(1).
     """
-    if HAS_EPISODE_BOUNDARIES or TorchRLSequence is None:
-        return None
-    backported = _backported_expand()
-    if backported is not None:
-        return backported[0]
-    method = TorchRLSequence.expand
-    if "_ReplayBoundaryIndex" not in method.__code__.co_names:
-        return method
-
-    def boundary_index(**kwargs: Any) -> Any:
-        source = kwargs.get("source")
-        done_key = source[1] if isinstance(source, tuple) and len(source) == 2 else None
-        return boundaries(
-            kwargs.get("storage"),
-            done_key,
-            kwargs.get("device"),
-            lambda: ReplayBoundaryIndex(**kwargs),
-        )
-
-    namespace = {**sys.modules[method.__module__].__dict__, "_ReplayBoundaryIndex": boundary_index}
-    expand = types.FunctionType(
-        method.__code__, namespace, method.__name__, method.__defaults__, method.__closure__
+    module = sys.modules.get(cls.__module__)
+    return (
+        inspect.isfunction(function)
+        and module is not None
+        and function.__globals__ is module.__dict__
+        and function.__qualname__ == f"{cls.__qualname__}.{name}"
     )
-    expand.__qualname__, expand.__doc__ = method.__qualname__, method.__doc__
-    return expand

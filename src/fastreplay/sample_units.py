@@ -4,9 +4,12 @@ TorchRL's sequence-style units (``Sequence``; ``SubgoalTriplet`` on the nightly)
 anchors a sampler drew into windows of records, clamped at episode boundaries. To find those
 boundaries TorchRL scans the storage's whole ``done_key`` entry after every write
 (``_ReplayBoundaryIndex``, cached until the storage's next write): ``O(items stored)`` per
-online step. fastreplay's units run TorchRL's own expansion code, with that one object
-replaced by :class:`IndexedBoundaries`, which answers the same queries from a
-:class:`~fastreplay._core.trajectory_index.TrajectoryIndex` kept in step with the storage:
+online step. fastreplay's units read their boundaries from :class:`IndexedBoundaries`
+instead, which answers the same queries from a
+:class:`~fastreplay._core.trajectory_index.TrajectoryIndex` kept in step with the storage
+(in fastreplay's NumPy expansion of 1-D CPU anchors, and in TorchRL's own ``expand`` through
+the nightly's ``_episode_boundaries`` hook; 0.14's ``expand``, which has no such hook, runs
+unmodified for other anchors):
 
 * writes made through fastreplay's buffers are reported to the index: ``O(rows written)``;
 * writes nobody reported (TorchRL's buffer, ``storage.set``) are seen from the storage's
@@ -38,7 +41,7 @@ from fastreplay._torchrl import (
     HAS_EPISODE_BOUNDARIES,
     TorchRLSequence,
     TorchRLSubgoalTriplet,
-    episode_boundaries_expand,
+    is_torchrl_function,
     last_cursor_row,
     torchrl_episode_boundaries,
 )
@@ -234,12 +237,6 @@ def _episode_boundaries(storage: Any, done_key: Any, device: Any) -> Any:
     return boundaries
 
 
-def _boundary_index(storage: Any, done_key: Any, device: Any, make: Callable[[], Any]) -> Any:
-    """``_ReplayBoundaryIndex(...)`` inside TorchRL's ``expand`` (see ``_torchrl``)."""
-    boundaries = IndexedBoundaries.for_storage(storage, done_key, device)
-    return make() if boundaries is None else boundaries
-
-
 class _IndexedUnit:
     """The episode-boundary hook of fastreplay's units (TorchRL's ``_episode_boundaries``)."""
 
@@ -257,10 +254,15 @@ class _IndexedUnit:
 _fast_classes: dict[type, Any] = {}  # TorchRL's unit class -> fastreplay's
 
 if TorchRLSequence is not None:
-    _SEQUENCE_EXPAND = episode_boundaries_expand(_boundary_index)
-    _TORCHRL_SEQUENCE_EXPAND = (
-        TorchRLSequence.expand if _SEQUENCE_EXPAND is None else _SEQUENCE_EXPAND
-    )
+    _seen_expand: list[Any] = [None, False]  # TorchRL's Sequence.expand last seen, and whether
+    # it is TorchRL's own (not a user's patch)
+
+    def _torchrl_expand_is_original() -> bool:
+        """Whether ``torchrl...Sequence.expand`` is TorchRL's own, not patched. O(1)."""
+        expand = TorchRLSequence.expand
+        if expand is not _seen_expand[0]:
+            _seen_expand[:] = expand, is_torchrl_function(expand, TorchRLSequence, "expand")
+        return bool(_seen_expand[1])
 
     def _expand_sequence(
         unit: Any, index: Any, info: dict[str, Any], storage: Any
@@ -365,14 +367,18 @@ if TorchRLSequence is not None:
             """TorchRL's ``Sequence.expand``: the same records, masks and info entries.
 
             A 1-D CPU storage with ``int64`` anchors is expanded in a few NumPy passes
-            (:func:`fastreplay._core.sequence_windows.windows`), anything else by TorchRL's
-            code; both read the episode boundaries from the index. ``O(batch x window +
-            batch x log(trajectories))``.
+            (:func:`fastreplay._core.sequence_windows.windows`) reading the episode
+            boundaries from the index: ``O(batch x window + batch x log(trajectories))``.
+            Anything else runs TorchRL's ``Sequence.expand`` as it is (the nightly's reads
+            the boundaries from the index too; 0.14's scans the storage, as TorchRL). A
+            ``Sequence.expand`` patched into TorchRL's class runs in its place, as in
+            TorchRL's buffers.
             """
-            expanded = _expand_sequence(self, index, info, storage)
-            if expanded is not None:
-                return expanded
-            return _TORCHRL_SEQUENCE_EXPAND(self, index, info, storage)
+            if _torchrl_expand_is_original():
+                expanded = _expand_sequence(self, index, info, storage)
+                if expanded is not None:
+                    return expanded
+            return TorchRLSequence.expand(self, index, info, storage)
 
     _fast_classes[TorchRLSequence] = Sequence
     __all__ += ["Sequence"]

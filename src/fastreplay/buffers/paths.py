@@ -526,7 +526,7 @@ class PathChoice:
         plan = _rows.gather_plan(storage._storage)
         if plan is None:
             return None
-        index, info = Bookkeeping.call_sampler(sampler, storage, batch_size)
+        index, info = sampler.sample(storage, batch_size)
         unit = self.__dict__.get("_fr_sample_unit")
         run = None
         if unit is not None:  # expanded where TorchRL's ``_sample`` expands

@@ -26,12 +26,12 @@ from fastreplay._torchrl import (
     TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
     storage_len,
+    truncation_flags,
     warn_left_span_disabled,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.samplers._index_sync import IndexSync
-from fastreplay.samplers._slice_info import truncation_flags
 from fastreplay.samplers.prioritized import PrioritizedSampler, _locked, uniform_draws
 from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
 

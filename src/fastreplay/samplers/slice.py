@@ -24,11 +24,12 @@ from fastreplay._torchrl import (
     is_batch_time,
     pads_short_slices,
     storage_len,
+    take,
+    truncation_flags,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay.samplers._index_sync import IndexSync
-from fastreplay.samplers._slice_info import take, truncation_flags
 
 __all__ = [
     "MissingKeyError",
