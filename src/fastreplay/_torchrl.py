@@ -839,6 +839,28 @@ class Bookkeeping:
             """TorchRL 0.13/0.14 name no dimensions."""
             return data
 
+    if WARNS_SHORT_FLAT_BATCH:
+
+        @staticmethod
+        def warns_from_caller(sampler: Any) -> bool:
+            """Whether ``sampler`` may still warn from TorchRL's code at its caller's line.
+
+            TorchRL's own slice samplers (not fastreplay's) warn once on a short flat batch
+            with ``stacklevel=3``: called by fastreplay's direct path, the warning would point
+            at fastreplay's line, so they take TorchRL's path until they have warned. O(1).
+            """
+            return (
+                sampler.__dict__.get("_warned_short_batch") is False
+                and type(sampler)._warn_if_short_batch is not _SliceHooks._warn_if_short_batch
+            )
+
+    else:
+
+        @staticmethod
+        def warns_from_caller(sampler: Any) -> bool:
+            """TorchRL 0.13/0.14's samplers warn at no caller's line."""
+            return False
+
     @staticmethod
     def wait(
         buffer: Any,

@@ -493,7 +493,12 @@ class PathChoice:
             (otherwise the caller writes it, as TorchRL's ``sample`` does).
         """
         storage = self._fr_plain()
-        if storage is None or self._service_shutdown or self._sample_dependency is not None:
+        if (
+            storage is None
+            or self._service_shutdown
+            or self._sample_dependency is not None
+            or Bookkeeping.warns_from_caller(self._sampler)
+        ):
             return None
         if batch_size is None:
             batch_size = self._batch_size
