@@ -172,7 +172,7 @@ print(json.dumps(out))
 
 
 def _run(script: str, *paths: Path | str) -> Any:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (*paths, REPO / "src")))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (*paths, PACKAGE.parent)))}
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
