@@ -8,6 +8,7 @@ import math
 import pickle
 import sys
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -764,3 +765,86 @@ def test_a_generator_is_used_instead_of_numpy() -> None:
     assert np.array_equal(np.random.get_state()[1], numpy_state)
     gen.manual_seed(3)
     assert torch.equal(rb.sample()["index"], first)
+
+
+# ---------------------------------------------------------------- resuming a multi-env run
+def _multi_env_buffer(kind: str, storage_kind: str, folder: Any) -> Any:
+    """A 1000-slot ``ndim=2`` buffer fed by 3 envs: its tensors hold 334 x 3 = 1002 slots."""
+    if storage_kind == "memmap":
+        storage = LazyMemmapStorage(1000, ndim=2, scratch_dir=folder)
+    else:
+        storage = LazyTensorStorage(1000, ndim=2)
+    if kind == "fastreplay":
+        from fastreplay import TensorDictPrioritizedReplayBuffer as Buffer
+
+        return Buffer(alpha=0.7, beta=0.5, storage=storage, priority_key="p")
+    sampler = PrioritizedSampler(1000, alpha=0.7, beta=0.5)
+    return TensorDictReplayBuffer(storage=storage, sampler=sampler, priority_key="p")
+
+
+def _env_steps(step: int, steps: int = 10) -> TensorDict:
+    obs = torch.arange(3 * steps, dtype=torch.float64).view(3, steps) + 1000 * step
+    return TensorDict({"obs": obs, "p": obs % 7 + 1}, [3, steps])
+
+
+@pytest.mark.parametrize("storage_kind", ["tensor", "memmap"])
+@pytest.mark.parametrize("kind", ["fastreplay", "torchrl_buffer"])
+def test_multi_env_run_resumes_from_state_dict_past_the_rounded_up_slots(
+    kind: str, storage_kind: str, tmp_path
+) -> None:
+    """A loaded ``ndim=2`` storage keeps ``max_size=1000`` under its 1002 slots: writes go on.
+
+    The resumed buffer writes rows 1000-1001 (time row 333) and gives them priorities, as
+    the uninterrupted run does and as TorchRL's trees do; ``len`` stays at the loaded
+    storage's ``max_size`` (TorchRL's storage), and ``sample`` draws below it.
+    """
+    original = _multi_env_buffer(kind, storage_kind, tmp_path / "a")
+    for step in range(10):
+        original.extend(_env_steps(step))
+    resumed = _multi_env_buffer(kind, storage_kind, tmp_path / "b")
+    with warnings.catch_warnings():  # TorchRL's memmap storage: "Loading the storage on an
+        warnings.filterwarnings("ignore", "Loading the storage", UserWarning)  # uninitialized"
+        resumed.load_state_dict(original.state_dict())
+    assert original.storage.max_size == 1002 and resumed.storage.max_size == 1000
+    for step in range(10, 40):  # 400 time rows: through row 333, then around to row 66
+        data = _env_steps(step)
+        original.extend(data.clone())
+        resumed.extend(data)
+    assert len(resumed) == 1000 and len(original) == 1002
+    raw = resumed.sampler._trees.raw()
+    assert torch.equal(raw[:1002], original.sampler._trees.raw()[:1002])
+    assert torch.equal(resumed.storage[:]["obs"], original.storage[:]["obs"])
+    sample, info = resumed.sample(256, return_info=True)
+    rows, cols = info["index"]
+    assert int((rows * 3 + cols).max()) < 1000
+    assert torch.equal(sample["obs"], resumed.storage[rows, cols]["obs"])
+
+
+@pytest.mark.parametrize(
+    "bad", [[1.0, float("nan")], [1.0, -2.0], [float("inf"), 1.0]], ids=["nan", "neg", "inf"]
+)
+@pytest.mark.parametrize("kind", ["fastreplay", "torchrl_buffer"])
+def test_extend_with_bad_priorities_writes_nothing(kind: str, bad: list[float]) -> None:
+    """TorchRL's error class (``RuntimeError`` from the priority update), raised first."""
+    if kind == "fastreplay":
+        from fastreplay import TensorDictPrioritizedReplayBuffer as Buffer
+
+        rb = Buffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(10), priority_key="p")
+    else:  # TorchRL's buffer writes the rows first; fastreplay's sampler refuses the values
+        rb = TensorDictReplayBuffer(
+            storage=LazyTensorStorage(10),
+            sampler=PrioritizedSampler(10, alpha=0.7, beta=0.5),
+            priority_key="p",
+        )
+    rb.extend(TensorDict({"obs": torch.arange(3.0), "p": torch.ones(3)}, [3]))
+    before = (len(rb), rb.write_count, rb.storage[:3]["obs"].clone())
+    raw = rb.sampler._trees.raw().clone()
+    with pytest.raises(RuntimeError, match="Failed to update priority") as caught:
+        rb.extend(TensorDict({"obs": torch.tensor([7.0, 8.0]), "p": torch.tensor(bad)}, [2]))
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert "finite and >= 0" in str(caught.value.__cause__)
+    assert torch.equal(rb.sampler._trees.raw()[:3], raw[:3])  # no bad value is stored
+    if kind == "fastreplay":  # nothing written at all
+        assert torch.equal(rb.sampler._trees.raw(), raw)
+        assert (len(rb), rb.write_count) == before[:2]
+        assert torch.equal(rb.storage[:3]["obs"], before[2])

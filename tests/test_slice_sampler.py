@@ -686,3 +686,47 @@ def test_slice_info_matches_torchrl_with_stored_flags(mode, truncated_key, store
         assert set(got.keys(True, True)) == set(expected.keys(True, True))
         for key in expected.keys(True, True):
             assert torch.equal(got[key], expected[key]), key
+
+
+# ---------------------------------------------------------------- trajectory key detection
+def _ids_and_done_flags_that_disagree() -> TensorDict:
+    """40 steps: ``episode`` ids change every 10 steps, the done flags every 5."""
+    done = torch.zeros(40, 1, dtype=torch.bool)
+    done[4::5] = True
+    return TensorDict(
+        {"obs": torch.arange(40), "episode": torch.arange(40) // 10, ("next", "done"): done},
+        [40],
+    )
+
+
+def _slice_starts(sampler: object, buffer_side: str, sample_empty_first: bool) -> torch.Tensor:
+    buffer_cls = (
+        TensorDictReplayBuffer if buffer_side == "torchrl" else fastreplay.TensorDictReplayBuffer
+    )
+    rb = buffer_cls(storage=LazyTensorStorage(100), sampler=sampler, batch_size=32)
+    if sample_empty_first:  # a loop that retries until data arrives
+        with pytest.raises(RuntimeError):
+            rb.sample()
+    rb.extend(_ids_and_done_flags_that_disagree())
+    torch.manual_seed(0)
+    obs = torch.cat([rb.sample()["obs"] for _ in range(20)]).view(-1, 4)
+    assert ((obs - obs[:, :1]) == torch.arange(4)).all()  # contiguous slices
+    return obs
+
+
+@pytest.mark.parametrize("buffer_side", ["torchrl", "fastreplay"])
+def test_auto_detected_trajectory_key_ignores_a_sample_of_an_empty_buffer(buffer_side: str) -> None:
+    """The key is chosen from the data: ``"episode"``, whether or not an empty sample came first.
+
+    TorchRL resolves it at its first ``sample`` and, on an empty buffer, settles on the done
+    flags for good: its slices then follow the done flags (blocks of 5), not the ids.
+    """
+    fast = _slice_starts(SliceSampler(slice_len=4), buffer_side, sample_empty_first=True)
+    assert (fast // 10 == fast[:, :1] // 10).all()  # within an ``episode``
+    assert (fast // 5 != fast[:, :1] // 5).any()  # across done flags, as the ids allow
+    # The same samples as TorchRL's sampler where no empty sample came first (same seed).
+    reference = _slice_starts(TorchRLSliceSampler(slice_len=4), buffer_side, False)
+    assert torch.equal(fast, reference)
+    torchrl = _slice_starts(TorchRLSliceSampler(slice_len=4), buffer_side, True)
+    assert (torchrl // 5 == torchrl[:, :1] // 5).all()  # TorchRL: the done flags' blocks
+    assert not torch.equal(fast, torchrl)

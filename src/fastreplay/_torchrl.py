@@ -173,6 +173,7 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoun
 # What the rest of fastreplay uses; TorchRL's private names it uses are re-exported as `x as x`.
 __all__ = [
     "TENSOR_STORAGES",
+    "storage_slots",
     "storage_len",
     "ALPHA_CHANGE_RETRANSFORMS",
     "PRIORITIZED_SLICE_ARGS",
@@ -360,6 +361,27 @@ def storage_len(storage: Any) -> int:
         if type(counter) is _Synchronized:
             return counter.value
     return len(storage)
+
+
+def storage_slots(storage: Any) -> int | None:
+    """Slots the storage's tensors hold (rows of every dimension it writes), or ``None``. O(1).
+
+    An ``ndim > 1`` storage rounds its size up to a multiple of the other dimensions when its
+    tensors are made, and says so through ``max_size``; a storage that loaded a state dict
+    instead keeps the ``max_size`` it was built with, so ``len`` stops below its slots while
+    the writer keeps writing all of them. ``None`` before the tensors exist or for storages
+    that hold no tensor collection or tensor.
+    """
+    if not storage.__dict__.get("initialized", False):
+        return None
+    store = storage.__dict__.get("_storage")
+    shape = getattr(store, "batch_size", None)
+    if shape is None:
+        shape = getattr(store, "shape", None)
+    ndim = storage.__dict__.get("ndim", 1)
+    if shape is None or len(shape) < ndim:
+        return None
+    return int(torch.Size(shape[:ndim]).numel())
 
 
 def last_cursor_row(storage: Any) -> int | None:

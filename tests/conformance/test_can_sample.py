@@ -9,6 +9,8 @@ and the index path is shown to read no boundaries.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -20,7 +22,7 @@ import fastreplay
 from conformance.conftest import episodes
 from conftest import TORCHRL_EXT
 from fastreplay._core.trajectory_index import TrajectoryIndex
-from fastreplay._torchrl import HAS_CAN_SAMPLE, HAS_STREAMING_SLICE
+from fastreplay._torchrl import HAS_CAN_SAMPLE, HAS_STREAMING_SLICE, SAMPLE_KEYWORDS
 
 pytestmark = pytest.mark.skipif(
     not HAS_CAN_SAMPLE, reason=f"TorchRL {torchrl.__version__}'s samplers have no can_sample"
@@ -118,3 +120,54 @@ def test_can_sample_reads_no_boundaries_after_a_write(monkeypatch: pytest.Monkey
     assert rb.can_sample(16) is True
     with pytest.raises(RuntimeError, match="divisible"):  # TorchRL's error, as there
         sampler.can_sample(rb.storage, 12)
+
+
+# ------------------------------------------------- SliceSamplerWithoutReplacement: TorchRL's rule
+def _without_replacement(side: str, buffer_side: str, **kwargs: Any) -> tuple[Any, Any]:
+    module = trl if side == "torchrl" else fastreplay
+    sampler = module.SliceSamplerWithoutReplacement(traj_key="traj", **kwargs)
+    cls = (
+        trl.TensorDictReplayBuffer
+        if buffer_side == "torchrl"
+        else fastreplay.TensorDictReplayBuffer
+    )
+    rb = cls(storage=LazyTensorStorage(100), sampler=sampler, batch_size=16)
+    return sampler, rb
+
+
+@pytest.mark.parametrize("buffer_side", ["torchrl", "fastreplay"])
+@pytest.mark.parametrize("side", ["torchrl", "fastreplay"])
+def test_without_replacement_drop_last_waits_for_enough_items(side: str, buffer_side: str) -> None:
+    """12 items and a batch of 16 with ``drop_last``: not yet; ``sample(wait=True)`` waits."""
+    sampler, rb = _without_replacement(side, buffer_side, slice_len=4, drop_last=True)
+    rb.extend(episodes(12, 4))
+    assert sampler.can_sample(rb.storage, 16) is False
+    assert sampler.can_sample(rb.storage, 12) is True
+    if "wait" not in SAMPLE_KEYWORDS:
+        return
+    with pytest.raises(TimeoutError):
+        rb.sample(wait=True, timeout=0.05)
+    writer = threading.Timer(0.1, lambda: rb.extend(episodes(12, 4, first_id=3)))
+    writer.start()
+    try:
+        batch = rb.sample(wait=True, timeout=20)
+    finally:
+        writer.join()
+    assert batch.shape == (16,)
+
+
+@pytest.mark.parametrize("buffer_side", ["torchrl", "fastreplay"])
+@pytest.mark.parametrize("side", ["torchrl", "fastreplay"])
+def test_without_replacement_strict_length_does_not_wait_for_a_long_trajectory(
+    side: str, buffer_side: str
+) -> None:
+    """No trajectory as long as a slice: ready (TorchRL's answer); the sample then raises."""
+    sampler, rb = _without_replacement(side, buffer_side, slice_len=8, strict_length=True)
+    rb.extend(episodes(12, 4))
+    assert sampler.can_sample(rb.storage, 16) is True
+    if "wait" not in SAMPLE_KEYWORDS:
+        return
+    start = time.monotonic()
+    with pytest.raises((RuntimeError, ValueError)):  # no wait: the sample's own error
+        rb.sample(wait=True, timeout=20)
+    assert time.monotonic() - start < 10

@@ -465,3 +465,59 @@ def test_more_items_than_torch_multinomial_takes(backend: str) -> None:
     rb.extend(TensorDict({"policy_version": torch.full((3,), 4, dtype=torch.int32)}, [3]))
     index, info = sampler.sample(storage, 256)  # three rows rewritten: an O(k) update
     assert (index[info["staleness"] == 0] < 3).all()
+
+
+# -------------------------------------------------------------------- weight functions
+
+
+class _Annealed:
+    """``exp(-s / tau)``: a weight function with state (an annealed temperature)."""
+
+    tau = 100.0
+
+    def __call__(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-s / self.tau)
+
+
+def test_a_weight_function_with_state_is_read_at_every_sample(impl: Impl, buffer_side: str) -> None:
+    """TorchRL calls ``staleness_weight_fn`` at every sample: a new ``tau`` counts at once."""
+    torch.manual_seed(0)
+    fn = _Annealed()
+    sampler = _sampler(impl, staleness_weight_fn=fn)
+    rb = _buffer(buffer_side, sampler, 100, batch_size=2000)
+    for version in range(10):
+        rb.extend(_rows(version * 10, torch.full((10,), version)))
+    sampler.consumer_version = 10
+    counts = torch.bincount(rb.sample()["policy_version"], minlength=10)
+    assert (counts > 100).all()  # nearly uniform over the 10 versions
+    fn.tau = 0.05  # version 9 (staleness 1) outweighs version 8 by e**20
+    assert rb.sample()["policy_version"].tolist() == [9] * 2000
+    if not impl.is_torchrl:
+        expected = _oracle(_stored_versions(rb), 10, -1, fn)
+        torch.testing.assert_close(sampler.probabilities(rb.storage), expected)
+    fn.tau = 100.0
+    counts = torch.bincount(rb.sample()["policy_version"], minlength=10)
+    assert (counts > 100).all()
+
+
+@pytest.mark.parametrize(
+    ("output", "error"),
+    [
+        (lambda w: w[:, None], RuntimeError),  # [n, 1]: torch.multinomial draws per row
+        (lambda w: w.numpy(), TypeError),
+        (lambda w: w.tolist(), AttributeError),
+    ],
+    ids=["column", "numpy", "list"],
+)
+def test_weight_outputs_torchrl_rejects_raise_its_errors(
+    impl: Impl, buffer_side: str, output, error: type
+) -> None:
+    sampler = _sampler(impl, staleness_weight_fn=lambda s: output(1.0 / (s + 1.0)))
+    rb = _buffer(buffer_side, sampler, 20, batch_size=4)  # 4 of 12 items: no replacement
+    for version in range(3):
+        rb.extend(_rows(version * 4, torch.full((4,), version)))
+    sampler.consumer_version = 3
+    with pytest.raises(error):
+        rb.sample()
+    sampler._weight_fn = lambda s: 1.0 / (s + 1.0)  # a good function samples again
+    assert rb.sample()["policy_version"].shape == (4,)

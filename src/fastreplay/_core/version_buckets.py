@@ -239,8 +239,9 @@ class VersionBuckets:
     def refresh(self, weight_fn: Callable, consumer: Any, max_staleness: Any) -> bool:
         """Recompute every bucket's weight and leaf. O(V) (one ``weight_fn`` call).
 
-        Returns ``False`` (nothing changed) where a gated-in weight is NaN, infinite or
-        negative, or every weight is 0: TorchRL's ``torch.multinomial`` raises then, and the
+        Returns ``False`` (nothing changed) where ``weight_fn`` returns anything but a tensor
+        of its input's shape, a gated-in weight is NaN, infinite or negative, or every weight
+        is 0: TorchRL's ``torch.multinomial`` raises then, and the
         caller lets TorchRL's code raise it.
         """
         live = self._count > 0
@@ -248,7 +249,10 @@ class VersionBuckets:
         valid = live & ((stale <= max_staleness).numpy() if max_staleness >= 0 else True)
         weight = np.zeros(self._keys.size)
         if valid.any():
-            w = weight_fn(stale[torch.from_numpy(valid)])
+            given = stale[torch.from_numpy(valid)]
+            w = weight_fn(given)
+            if not isinstance(w, torch.Tensor) or w.shape != given.shape:
+                return False  # TorchRL's code raises (or does) what it does with it
             w = torch.as_tensor(w).detach().to("cpu", torch.float64).reshape(-1).numpy()
             if w.size != int(valid.sum()) or not (np.isfinite(w).all() and (w >= 0).all()):
                 return False

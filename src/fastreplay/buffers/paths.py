@@ -42,7 +42,7 @@ from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchR
 from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.transforms import Compose
 
 from fastreplay import sample_units as _units
@@ -231,7 +231,40 @@ class PathChoice:
 
         Either way, the write gets what every write gets (:meth:`_fr_written`).
         """
+        self._fr_check_priorities(data, kwargs.get("update_priority"))
         return self._fr_written(self._fr_extend, data, *args, **kwargs)
+
+    def _fr_check_priorities(self, data: Any, update_priority: Any) -> None:
+        """Refuse, before any row is written, priorities the write's priority update refuses.
+
+        TorchRL writes the rows, then raises ``RuntimeError`` from the priority update; here
+        the same error comes first and the buffer is left as it was. Only where the priority
+        update reads ``data``'s own entry (no transform in between). O(rows).
+        """
+        if update_priority is False:
+            return
+        key = getattr(self, "priority_key", None)
+        check = getattr(self.__dict__.get("_sampler"), "check_priority", None)
+        transform = self.__dict__.get("_transform")
+        if (
+            key is None
+            or key == "index"
+            or check is None
+            or not (transform is None or _empty_compose(transform))
+            or not isinstance(data, TensorDictBase)
+        ):
+            return
+        vector = data.get(key, None)
+        if vector is None:
+            return
+        try:
+            check(vector)
+        except Exception as e:
+            raise RuntimeError(
+                "Failed to update priority of extended data. You can try to set "
+                "update_priority=False in the extend method and update the priority "
+                "manually. Nothing was written."
+            ) from e
 
     def add(self, data: Any) -> Any:
         """Add as TorchRL does (its path), with what every write gets (:meth:`_fr_written`)."""

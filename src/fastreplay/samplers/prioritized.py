@@ -26,7 +26,7 @@ from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees, mo
 from fastreplay._core.trees.ops import check_mass, mass_of
 from fastreplay._core.trees.views import TorchRLTreeViews
 from fastreplay._signature import ConstructorSignature
-from fastreplay._torchrl import Storage, storage_len
+from fastreplay._torchrl import Storage, storage_len, storage_slots
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 from fastreplay.errors import (
     CheckpointError,
@@ -443,10 +443,51 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         if storage is None:
             return self._slots
         stored = storage_len(storage)
+        if stored >= self._full_at(storage):
+            # Full: a storage that loaded a state dict keeps its constructor's ``max_size``,
+            # under the slots its tensors hold (an ``ndim=2`` storage rounded up), so ``len``
+            # stops there while the writer writes every slot. TorchRL's trees take those
+            # writes; here they are in range too (``sample`` still draws below ``len``).
+            slots = storage_slots(storage)
+            if slots is not None and slots > stored:
+                stored = slots
         if stored > self._slots:
             limit = max(getattr(storage, "max_size", stored), stored)
             self._grow(min(max(stored, 2 * self._slots), limit))
         return stored
+
+    def check_priority(self, priority: Any) -> None:
+        """Raise the error :meth:`update_priority` would for these priority values. O(k).
+
+        Checks the values alone (real numbers, none NaN, infinite or negative, every mass
+        within the dtype), so a buffer can refuse an ``extend`` before it writes a row.
+
+        Raises:
+            TypeError: priorities that are not real numbers.
+            ValueError: a NaN, infinite or negative priority.
+            PriorityOverflowError: a priority whose mass does not fit the dtype.
+        """
+        priority = torch.as_tensor(priority).detach()
+        if priority.dtype == torch.bool or priority.is_complex():
+            raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
+        if priority.numel() == 0:
+            return
+        priority = priority.reshape(-1).to(torch.float64)
+        low, high = (float(value) for value in torch.aminmax(priority))
+        if not (low >= 0 and high < math.inf):
+            bad = priority[~((priority >= 0) & (priority < math.inf))]
+            raise ValueError(
+                f"priority must be finite and >= 0, got {bad[:5].tolist()}"
+                f"{f' (and {bad.numel() - 5} more)' if bad.numel() > 5 else ''}; pass "
+                "non-negative finite priorities (e.g. abs(td_error)); nothing was written"
+            )
+        self._check_mass(high, what="priority")
+
+    @staticmethod
+    def _full_at(storage: Storage) -> float:
+        """The storage's ``max_size`` (``inf`` where it has none). O(1)."""
+        size = getattr(storage, "max_size", None)
+        return size if isinstance(size, int) else math.inf
 
     @_locked
     def update_priority(

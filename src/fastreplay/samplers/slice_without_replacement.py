@@ -20,6 +20,7 @@ from fastreplay._core.slice_index import slice_index
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
+    HAS_CAN_SAMPLE,
     STATIC_BOUNDARIES,
     SliceSamplerWithoutReplacementBase,
     Storage,
@@ -187,6 +188,19 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         )
         index = tuple(torch.from_numpy(a) for a in steps)
         return index, self._fr_info(index, heads, steps[0].size, storage)
+
+    if HAS_CAN_SAMPLE:
+
+        def can_sample(self, storage: Any, batch_size: int) -> bool:
+            """TorchRL's answer: whether the epoch can give a batch of ``batch_size``. O(1).
+
+            ``len(storage) >= batch_size`` with ``drop_last``, else ``len(storage) > 0``, as
+            TorchRL's ``SliceSamplerWithoutReplacement`` decides it (its sampler without
+            replacement's rule), so ``sample(wait=True)`` waits for the same writes: with
+            ``drop_last`` for enough items, and with ``strict_length`` not for a trajectory
+            long enough (the sample then raises, as TorchRL's does).
+            """
+            return TorchRLSliceSamplerWithoutReplacement.can_sample(self, storage, batch_size)
 
     # ------------------------------------------------------------------------- epochs
     # TorchRL keeps an epoch as ``_sample_list``: the trajectories left in a permutation drawn

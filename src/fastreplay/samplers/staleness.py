@@ -42,8 +42,9 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
     stored items at each ``sample``: O(N) a call, and ``torch.multinomial`` refuses more than
     2**24 items. Here the items are grouped by version (``V`` distinct versions stored): a
     write of ``k`` items costs O(k), a change of ``consumer_version`` O(V) at the next sample
-    (``staleness_weight_fn`` is called once on the ``V`` versions' staleness, so it must act
-    elementwise, as the default does), and each draw O(log V) (a sum tree over the versions,
+    (``staleness_weight_fn`` is called on the ``V`` versions' staleness, so it must act
+    elementwise, as the default does; a given function is called at every ``sample``, as
+    TorchRL does, so its state is read anew), and each draw O(log V) (a sum tree over the versions,
     see :class:`fastreplay._core.version_buckets.VersionBuckets`). Any number of items.
 
     The draws are equal in distribution to TorchRL's, not in their random stream: they come
@@ -99,6 +100,9 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
             version_key=version_key,
         )
         self._fr_backend = backend
+        # TorchRL's default weight is stateless: its weights are kept until the staleness
+        # changes. Any other function is called at every sample, as TorchRL does.
+        self._fr_default_fn = self._weight_fn if staleness_weight_fn is None else None
         self._fr_core: VersionBuckets | None = None
         self._fr_seen: tuple | None = None
         self._fr_token: tuple | None = None
@@ -216,7 +220,9 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         """``batch_size`` indices by freshness, and their ``"staleness"``.
 
         O(batch log V) a call, plus O(k) for ``k`` rows written since the last call and O(V)
-        after a change of ``consumer_version``, ``max_staleness`` or the weight function.
+        after a change of ``consumer_version``, ``max_staleness`` or the weight function, and
+        at every call for a ``staleness_weight_fn`` given (one call on the ``V`` versions'
+        staleness: a function with state, such as an annealed temperature, is read anew).
         """
         n = storage_len(storage)
         leaf = self._versions_leaf(storage) if n > 0 else None
@@ -229,7 +235,12 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
             self._max_staleness,
             self._weight_fn,
         )
-        if token[0] is None or token != self._fr_token or not core.current:
+        if (
+            token[0] is None
+            or token != self._fr_token
+            or not core.current
+            or self._weight_fn is not self._fr_default_fn
+        ):
             self._fr_token = None
             if not core.refresh(self._weight_fn, consumer, self._max_staleness):
                 return super().sample(storage, batch_size)  # TorchRL's error
