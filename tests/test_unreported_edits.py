@@ -16,6 +16,7 @@ case for ``invalidate_boundaries()``, tested last.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 import fastreplay
 from conformance.conftest import BUFFER_SIDES, FASTREPLAY_BUFFER, TORCHRL_BUFFER, make_buffer
 from conftest import assert_same_tensordict
+from fastreplay._core.version_buckets import VersionBuckets
 from fastreplay._torchrl import HAS_SAMPLE_UNITS, TORCHRL_VERSION, TorchRLSubgoalTriplet
 
 DONE = ("next", "done")
@@ -277,3 +279,55 @@ def test_her_invalidate_boundaries() -> None:
     assert_same_tensordict(got, want)
     first = got["obs"] <= 4
     assert (got["desired_goal"][first] == 4).all()
+
+
+# ---------------------------------------------------------------------- remote writes
+def _write_versions(rb: Any, first: int, n: int) -> None:
+    """Writer process: ``n`` rows of versions ``first ..``, in three writes."""
+    for part in torch.arange(first, first + n).tensor_split(3):
+        rb.extend(TensorDict({"policy_version": part}, [part.numel()]))
+
+
+@pytest.mark.skipif(
+    "fork" not in multiprocessing.get_all_start_methods(), reason="needs 'fork' (Linux)"
+)
+def test_remote_writes_move_no_counter_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes another process made are reported to the staleness sampler as theirs: they
+    moved no version counter of this process, so they are read incrementally (a few rows
+    each, beside a local write), without the full reread a write nobody reported costs, and
+    the probabilities are exact."""
+    rebuilds: list[int] = []
+    rebuild = VersionBuckets.rebuild
+
+    def counting(self: Any, versions: Any) -> None:
+        rebuilds.append(1)
+        rebuild(self, versions)
+
+    monkeypatch.setattr(VersionBuckets, "rebuild", counting)
+    sampler = fastreplay.StalenessAwareSampler(max_staleness=5)
+    sampler.consumer_version = 30
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=LazyMemmapStorage(CAPACITY, shared_init=True),
+        sampler=sampler,
+        batch_size=8,
+        shared=True,
+    )
+    rb.extend(TensorDict({"policy_version": torch.arange(40) % 10 + 20}, [40]))
+    rb.sample()
+    assert len(rebuilds) == 1  # the first sample reads the storage once
+    for first in (18, 22):
+        proc = multiprocessing.get_context("fork").Process(
+            target=_write_versions, args=(rb, first, 9)
+        )
+        proc.start()
+        proc.join(30)
+        if proc.is_alive():  # pragma: no cover - a hang: fail, never block the suite
+            proc.kill()
+        assert proc.exitcode == 0
+        rb.extend(TensorDict({"policy_version": torch.full((2,), 27)}, [2]))  # a local write
+        rb.sample()
+    assert len(rebuilds) == 1
+    versions = rb.storage._storage["policy_version"][: len(rb.storage)].double()
+    stale = 30 - versions
+    weights = torch.where(stale <= 5, 1.0 / (stale + 1.0), torch.zeros_like(stale))
+    assert torch.allclose(sampler.probabilities(rb.storage), weights / weights.sum())
