@@ -154,9 +154,7 @@ def test_sequence_sees_an_edit_after_a_write(buffer_side: str) -> None:
 @pytest.mark.parametrize("buffer_side", BUFFER_SIDES)
 def test_subgoal_triplet_sees_a_view_edit_before_a_write(buffer_side: str, unit_side: str):
     config = {"goal_discount": 0.9}
-    want = workload(
-        _unit_buffer(TORCHRL_BUFFER, _unit("torchrl", "SubgoalTriplet", **config))
-    )
+    want = workload(_unit_buffer(TORCHRL_BUFFER, _unit("torchrl", "SubgoalTriplet", **config)))
     got = workload(_unit_buffer(buffer_side, _unit(unit_side, "SubgoalTriplet", **config)))
     assert_same_tensordict(got, want)
     obs = got["obs"].reshape(-1, 4)

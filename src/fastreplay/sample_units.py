@@ -120,10 +120,7 @@ def invalidate_done_key(storage: Any, done_key: Any) -> None:
     indexed (each then rebuilds once: ``O(items stored)``).
     """
     with _REGISTRY_LOCK:
-        if storage is None:
-            tables = list(_REGISTRY.values())
-        else:
-            tables = [_REGISTRY.get(storage) or {}]
+        tables = list(_REGISTRY.values()) if storage is None else [_REGISTRY.get(storage) or {}]
     for entries in tables:
         entry = entries.get(done_key)
         if entry is not None:
@@ -296,8 +293,9 @@ class _IndexedUnit:
         O(1); the next ``expand`` then reads the storage's ``done_key`` once
         (``O(items stored)``, as TorchRL's does after every write).
         """
-        if self.done_key is not None:  # ``None``: the write seam bounds, no index to reread
-            invalidate_done_key(storage, self.done_key)
+        done_key = getattr(self, "done_key", None)  # set by TorchRL's unit
+        if done_key is not None:  # ``None``: the write seam bounds, no index to reread
+            invalidate_done_key(storage, done_key)
 
 
 _fast_classes: dict[type, Any] = {}  # TorchRL's unit class -> fastreplay's
