@@ -217,6 +217,36 @@ def test_slice_sampler_sees_a_view_edit_before_a_write(buffer_side: str) -> None
     assert not ((obs[:, 0] <= 4) & (obs[:, -1] > 4)).any()  # no slice across row 4
 
 
+SLICE_SAMPLERS = {
+    "SliceSampler": lambda: fastreplay.SliceSampler(slice_len=3, end_key=DONE),
+    "SliceSamplerWithoutReplacement": lambda: fastreplay.SliceSamplerWithoutReplacement(
+        slice_len=3, end_key=DONE
+    ),
+    "PrioritizedSliceSampler": lambda: fastreplay.PrioritizedSliceSampler(
+        max_capacity=CAPACITY, alpha=0.7, beta=0.5, slice_len=3, end_key=DONE
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SLICE_SAMPLERS))
+@pytest.mark.parametrize("buffer_side", BUFFER_SIDES)
+def test_slice_samplers_boundaries_after_a_view_edit(buffer_side: str, name: str) -> None:
+    """Every slice sampler's boundaries are TorchRL's scan of the storage as it is now."""
+    sampler = SLICE_SAMPLERS[name]()
+    rb = make_buffer(
+        buffer_side,
+        "TensorDictReplayBuffer",
+        storage=LazyTensorStorage(CAPACITY),
+        sampler=sampler,
+        batch_size=12,
+    )
+    workload(rb)
+    got = sampler._get_stop_and_length(rb.storage)
+    want = trl.SliceSampler(slice_len=3, end_key=DONE)._get_stop_and_length(rb.storage)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert got[1].reshape(-1).tolist()[0] == 4  # the fixed flag ends the first trajectory
+
+
 @pytest.mark.parametrize("buffer_side", BUFFER_SIDES)
 def test_staleness_sampler_sees_a_view_edit_before_a_write(buffer_side: str) -> None:
     """A version fixed in place, then a write: the probabilities are TorchRL's again."""
