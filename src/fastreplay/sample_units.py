@@ -48,7 +48,13 @@ from fastreplay._torchrl import (
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay.samplers._index_sync import DoneFlags, IndexSync
 
-__all__ = ["IndexedBoundaries", "record_write", "invalidate_writes", "fast_unit"]
+__all__ = [
+    "IndexedBoundaries",
+    "record_write",
+    "invalidate_writes",
+    "invalidate_done_key",
+    "fast_unit",
+]
 
 
 class _CountingSync(IndexSync):
@@ -108,6 +114,21 @@ def invalidate_writes(storage: Any) -> None:
     for entry in list((_REGISTRY.get(storage) or {}).values()):
         with entry.lock:
             entry.sync.invalidate()
+
+
+def invalidate_done_key(storage: Any, done_key: Any) -> None:
+    """Rebuild the index of ``storage`` read from ``done_key`` at the next ``expand``.
+
+    ``storage=None``: the index of every storage read from ``done_key``. O(1) per storage
+    indexed (each then rebuilds once: ``O(items stored)``).
+    """
+    with _REGISTRY_LOCK:
+        tables = list(_REGISTRY.values()) if storage is None else [_REGISTRY.get(storage) or {}]
+    for entries in tables:
+        entry = entries.get(done_key)
+        if entry is not None:
+            with entry.lock:
+                entry.sync.invalidate()
 
 
 def rebuilds(storage: Any, done_key: Any) -> int:
@@ -249,6 +270,29 @@ class _IndexedUnit:
         TorchRL's own object where the index cannot serve.
         """
         return _episode_boundaries(storage, done_key, device)
+
+    def invalidate_boundaries(self, storage: Any = None) -> None:
+        """Reread the episode boundaries from the storage at the next ``expand``.
+
+        The boundaries are kept from the writes fastreplay's buffers report, and checked at
+        every ``expand`` against the storage's write count and the version counter torch
+        keeps for the ``done_key`` tensor: writes nobody reported, and in-place edits of the
+        done flags through a view of the storage (``storage[:]["next", "done"][i] = True``),
+        before or after a reported write, are seen without this call. Call it after edits
+        that move neither: made by another process (shared memory, a memory map), through
+        ``tensor.data`` or a NumPy view of the flags, or to a memory map opened separately.
+
+        Args:
+            storage: the storage whose boundaries to reread; ``None``: every storage whose
+                boundaries this unit's ``done_key`` reads (the index is shared by the units
+                reading the same storage and ``done_key``).
+
+        O(1); the next ``expand`` then reads the storage's ``done_key`` once
+        (``O(items stored)``, as TorchRL's does after every write).
+        """
+        done_key = getattr(self, "done_key", None)  # set by TorchRL's unit
+        if done_key is not None:  # ``None``: the write seam bounds, no index to reread
+            invalidate_done_key(storage, done_key)
 
 
 _fast_classes: dict[type, Any] = {}  # TorchRL's unit class -> fastreplay's

@@ -71,8 +71,11 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
     * ``sample`` costs ``O(batch x log episodes)`` for the episode lookup, independent of
       capacity;
     * writes the buffer was not told about (another buffer on the same storage,
-      ``rb[idx] = ...``, a checkpoint load, ``empty()``) make the index rebuild from the
-      storage once (``O(items stored)``), never serve stale episodes.
+      ``rb[idx] = ...``, a checkpoint load, ``empty()``, a done flag edited in place through
+      a view of the storage, before or after an ``extend``) make the index rebuild from the
+      storage once (``O(items stored)``), never serve stale episodes; after edits torch's
+      version counters do not show (another process, ``tensor.data``), call
+      :meth:`invalidate_boundaries`.
 
     Storages TorchRL's episode lookup supports and that are not a 1-D TensorDict
     ``TensorStorage`` with integer or boolean flags of one value per step keep TorchRL's
@@ -129,6 +132,28 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         super().mark_update(index)
         self._fr_her.record(index)
         self._fr_writes += 1
+
+    def invalidate_boundaries(self) -> None:
+        """Reread the episode ends from the storage at the next ``sample``.
+
+        The episode ends are kept from the writes the buffer is told about, and checked at
+        every ``sample`` against the storage's write count and the version counters torch
+        keeps for the done and terminated flag tensors: writes nobody reported, and in-place
+        edits of the flags through a view of the storage (``rb.storage[:]["next", "done"][i]
+        = True``), before or after an ``extend``, are seen without this call. Call it after
+        edits that move neither: made by another process (shared memory, a memory map),
+        through ``tensor.data`` or a NumPy view of the flags, or to a memory map opened
+        separately. The sampler's boundaries (a slice sampler's ``invalidate_boundaries``)
+        are reread too.
+
+        O(1); the next ``sample`` then reads the flags of the whole storage once
+        (``O(items stored)``, as TorchRL's buffer does after every write).
+        """
+        self._fr_her.invalidate()
+        self._fr_scanned = None
+        invalidate = getattr(self.__dict__.get("_sampler"), "invalidate_boundaries", None)
+        if invalidate is not None:
+            invalidate()
 
     def _fr_written(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:

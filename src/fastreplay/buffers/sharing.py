@@ -41,6 +41,7 @@ from fastreplay._torchrl import (
     is_consuming,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
+from fastreplay.samplers._index_sync import remote_writes
 
 __all__ = ["SharedBufferChecks", "check_shareable"]
 
@@ -111,6 +112,9 @@ class SharedBufferChecks:
       round-robin writer through this class; any other write (``rb[idx] = ...``, another
       buffer class on the same storage) is not counted, and the sampler's own revision check
       then rebuilds, as before. ``O(1)`` per locked section when nothing was written elsewhere.
+      The reports are marked as other processes' (:func:`fastreplay.samplers._index_sync.
+      remote_writes`): they moved no version counter here, so the sampler's check for writes
+      nobody reported does not count them as local writes.
     """
 
     _fr_writes: Any = None  # multiprocessing.Value("q"): writes through this class, all processes
@@ -238,8 +242,9 @@ class SharedBufferChecks:
             return
         rows, cursor = int(self._storage.max_size), int(self._writer._cursor)
         index = torch.arange(cursor - min(items, rows), cursor) % rows
-        for part in torch.tensor_split(index, calls):  # one report per write
-            self._sampler.extend(part)
+        with remote_writes():  # they moved no version counter of this process's tensors
+            for part in torch.tensor_split(index, calls):  # one report per write
+                self._sampler.extend(part)
 
     @contextlib.contextmanager
     def _fr_locked(self, sampling: bool = False) -> Iterator[None]:

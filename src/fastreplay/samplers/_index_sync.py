@@ -13,17 +13,22 @@ A write that raises part way (a shape mismatch on a later key of ``rb[idx] = td`
 ``storage.set``) leaves the rows of the keys before it written, but the storage's mutation
 revision unchanged (TorchRL bumps it after the write) and the sampler untold. Such writes, and
 in-place edits of the signal through a view, still move the version counter torch keeps for
-every tensor written in place: :meth:`IndexSync.sync` compares the counters of the signal
-tensors with those of the last sync (``O(signal keys)``) and rebuilds when they moved while no
-write was reported. A write reported in between moves them too, so the two cannot be told
-apart then: fastreplay's buffers also have their sampler rebuild when a write raises
-(:func:`fastreplay.buffers.paths.written_in_part`); elsewhere, ``invalidate_boundaries()``
-is the remedy.
+every tensor written in place. So :meth:`IndexSync.sync` always compares the counters of the
+signal tensors with those of the last sync (``O(signal keys)``): each write reported from this
+process moves each of them by exactly one (one in-place write per tensor, on every TorchRL
+version), writes reported from other processes (:func:`remote_writes`: shared memory written
+elsewhere) by none; any other move means a write nobody reported, and the index is rebuilt.
+Writes that move no counter here (another process's in-place edits, ``tensor.data`` or NumPy
+views, a memory map opened separately) cannot be seen: ``invalidate_boundaries()`` is the
+remedy there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,9 +38,32 @@ from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
-__all__ = ["DoneFlags", "IndexSync"]
+__all__ = ["DoneFlags", "IndexSync", "remote_writes", "reporting_remote"]
 
 _READ_CHUNK = 1 << 24  # rows read at once when rebuilding from the whole storage
+
+_REMOTE = threading.local()  # ``on``: the writes reported now were made by other processes
+
+
+@contextlib.contextmanager
+def remote_writes() -> Iterator[None]:
+    """Writes reported inside (``sampler.extend(rows)``) were made by other processes.
+
+    Their rows went to shared memory from another process, which moves no version counter of
+    this process's tensors: :meth:`IndexSync.record` (and the staleness sampler) then expect
+    no move for them. Per thread; O(1).
+    """
+    previous = getattr(_REMOTE, "on", False)
+    _REMOTE.on = True
+    try:
+        yield
+    finally:
+        _REMOTE.on = previous
+
+
+def reporting_remote() -> bool:
+    """Whether the write being reported now was made by another process (:func:`remote_writes`)."""
+    return bool(getattr(_REMOTE, "on", False))
 
 
 class _KeyProbe:
@@ -82,6 +110,7 @@ class IndexSync:
     # by an earlier version has neither.
     _signal: tuple[weakref.ref, ...] = ()
     _versions: tuple[int, ...] | None = None
+    _local_writes = 0  # writes reported from this process since the last sync
 
     def __init__(self) -> None:
         self.index: TrajectoryIndex | None = None
@@ -91,13 +120,14 @@ class IndexSync:
         self._storage: weakref.ref | None = None  # identity that a new storage cannot reuse
         self._revision = 0
         self._pending_writes = 0
+        self._local_writes = 0
         self._loaded = False  # a checkpoint was loaded: the storage's cursor may be stale
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy rebuilds from its storage: the index and the storage are not carried."""
         state = self.__dict__.copy()
         state.update(index=None, spec=None, pending=[], dirty=True, _storage=None)
-        state.update(_signal=(), _versions=None)
+        state.update(_signal=(), _versions=None, _local_writes=0)
         return state
 
     def detached(self) -> IndexSync:
@@ -135,9 +165,13 @@ class IndexSync:
         """The rows one ``extend``/``add`` wrote: ``O(items written)``, on numpy.
 
         A round-robin run (consecutive rows, wrapping at most once to row 0) is queued to be
-        read at the next :meth:`sync`; any other write marks the index for a rebuild.
+        read at the next :meth:`sync`; any other write marks the index for a rebuild. Inside
+        :func:`remote_writes` the write is counted as another process's (it moved no version
+        counter here).
         """
         self._pending_writes += 1
+        if not reporting_remote():
+            self._local_writes += 1
         self._loaded = False  # the storage's cursor is current again
         if self.dirty:
             return
@@ -166,7 +200,10 @@ class IndexSync:
         """The index, brought up to date with ``storage``.
 
         ``O(1)`` when nothing was written since the last call, ``O(items written since)``
-        after reported writes, one ``O(items stored)`` rebuild after unreported ones.
+        after reported writes, one ``O(items stored)`` rebuild after unreported ones. The
+        version counters of the signal tensors are compared with the writes reported, at
+        every call (``O(signal keys)``): a counter that moved by anything else (an in-place
+        edit through a view, before or after a reported write) means a rebuild.
 
         Args:
             storage: an initialized TensorDict ``TensorStorage``.
@@ -180,7 +217,7 @@ class IndexSync:
         """
         index = self.index
         same_storage = self._storage is not None and self._storage() is storage
-        if same_storage and not self._pending_writes and self._signal_written():
+        if same_storage and self._signal_written():
             self.dirty = True  # written in place, not reported (a failed write, a view edit)
         if (
             index is not None
@@ -224,6 +261,7 @@ class IndexSync:
         self._storage = weakref.ref(storage)
         self._watch(storage._storage, keys)
         self.pending, self._pending_writes, self.dirty = [], 0, False
+        self._local_writes = 0
         return index
 
     def _watch(self, data: Any, keys: tuple) -> None:
@@ -236,7 +274,11 @@ class IndexSync:
             self._signal, self._versions = (), None
 
     def _signal_written(self) -> bool:
-        """Whether a signal tensor was written in place since the last sync. O(signal keys).
+        """Whether a signal tensor was written since the last sync other than as reported.
+
+        Each write reported from this process moves each signal tensor's version counter by
+        one; a write reported from another process (:func:`remote_writes`) by none. Any other
+        move is a write nobody reported. O(signal keys).
 
         ``False`` where nothing is watched, or a watched tensor is gone (the storage then
         replaced its tensors: a write that moves the mutation revision).
@@ -244,9 +286,10 @@ class IndexSync:
         versions = self._versions
         if versions is None:
             return False
+        local = self._local_writes
         for ref, version in zip(self._signal, versions, strict=True):
             leaf = ref()
-            if leaf is not None and leaf._version != version:
+            if leaf is not None and leaf._version != version + local:
                 return True
         return False
 

@@ -192,9 +192,14 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     Writes through the storage that the sampler was not told about (``rb[idx] = ...``, another
     writer or process, ``empty()``, ``loads``, ``load_state_dict``) change the storage's
     mutation revision; the index is then rebuilt from the storage once (``O(items stored)``),
-    never served stale. **In-place edits of stored done flags or trajectory ids through a
-    view** (``rb["next", "done"][i] = True``, ``storage[:][key][i] = ...``) bypass the storage
-    and cannot be seen without a full scan: call :meth:`invalidate_boundaries` after them.
+    never served stale. In-place edits of stored done flags or trajectory ids through a view
+    (``storage[:][key][i] = ...``) bypass the storage but move the version counter torch keeps
+    for the tensor: the index compares those counters with the writes it was told about at
+    every ``sample`` (``O(boundary keys)``) and rebuilds once when they moved by anything
+    else, whatever writes came after the edit. **Edits that move no version counter of this
+    process** (through ``tensor.data`` or a NumPy view, in place by another process, to a
+    memory map opened separately) cannot be seen without a full scan: call
+    :meth:`invalidate_boundaries` after them.
 
     ``SliceSampler(replacement=False, ...)`` returns :func:`without_replacement_class` built with
     the other arguments, as TorchRL does. ``fragmented=True``, the static ``ends``/
@@ -270,15 +275,14 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     def invalidate_boundaries(self) -> None:
         """Rebuild the trajectory boundaries from the storage at the next ``sample``.
 
-        Call it after editing stored done flags or trajectory ids in place through a view
-        (``rb["next", "done"][i] = True``, ``storage[:][key][i] = ...``), or after a write
-        straight to the storage (``storage.set``, ``storage[idx] = ...``) or through
-        TorchRL's buffer that raised part way, when a write the sampler is told about
-        (``extend``, ``add``) came after it: such edits bypass the storage's write count.
-        Without such a later write, the next ``sample`` sees them (the version counters of
-        the flag or id tensors moved). Writes through the replay buffer or the storage
-        (``extend``, ``add``, ``rb[idx] = ...``), and writes through fastreplay's buffers
-        that raise part way, need no call.
+        Call it after editing stored done flags or trajectory ids in a way that moves no
+        version counter of this process: through ``tensor.data`` or a NumPy view, in place
+        by another process (shared memory, a memory map), or through a memory map opened
+        separately. Everything else is seen without a call, whatever writes come after it:
+        writes through the replay buffer or the storage (``extend``, ``add``,
+        ``rb[idx] = ...``), in-place edits through a view (``storage[:][key][i] = ...``) and
+        writes that raise part way (the version counters of the flag or id tensors moved by
+        more than the writes the sampler was told about).
         The rebuild costs one ``O(items stored)`` read of the boundary keys.
         """
         self._fr_sync.invalidate()

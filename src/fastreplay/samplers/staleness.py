@@ -3,8 +3,9 @@
 A thin adapter over :class:`fastreplay._core.version_buckets.VersionBuckets` (items grouped by
 the policy version stored with them, a sum tree over the groups). It keeps the groups in step
 with the storage from the rows each ``extend``/``add`` reports, and rereads the whole version
-column where it was written behind its back (the storage's write counter moved, or the
-column's tensor was written in place, without a reported write).
+column where it was written behind its back: the storage's write counter moved, or the
+column's tensor was written in place (its version counter moved) by anything other than the
+writes reported from this process, whether or not a reported write came after.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastreplay._core.version_buckets import VersionBuckets
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import Storage, TensorStorage, mutation_revision, storage_len
 from fastreplay._torchrl import TorchRLStalenessAwareSampler as _TorchRLStalenessAwareSampler
+from fastreplay.samplers._index_sync import reporting_remote
 
 __all__ = ["StalenessAwareSampler"]
 
@@ -84,6 +86,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
     """
 
     __signature__ = ConstructorSignature()
+    _fr_local_writes = 0  # class default: a sampler pickled by an earlier version has none
 
     def __init__(
         self,
@@ -109,6 +112,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         self._fr_pending: list[np.ndarray] = []
         self._fr_pending_rows = 0
         self._fr_pending_writes = 0
+        self._fr_local_writes = 0  # of those, the writes made in this process
         self._fr_revision = 0
         self._fr_dirty = True
 
@@ -122,7 +126,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update(_fr_core=None, _fr_seen=None, _fr_pending=[], _fr_dirty=True)
-        state.update(_fr_pending_rows=0, _fr_pending_writes=0)
+        state.update(_fr_pending_rows=0, _fr_pending_writes=0, _fr_local_writes=0)
         return state
 
     # ------------------------------------------------------------------ writes
@@ -136,6 +140,8 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
 
     def _record(self, index: Any) -> None:
         self._fr_pending_writes += 1
+        if not reporting_remote():  # another process's write moves no version counter here
+            self._fr_local_writes += 1
         if self._fr_dirty:
             return
         try:
@@ -151,9 +157,11 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
     def invalidate_versions(self) -> None:
         """Reread every stored version at the next ``sample`` (O(items stored) then).
 
-        For writes to the version entry that neither ``extend``/``add`` reported nor the
-        storage counted (TorchRL 0.13 keeps no write counter; a write that raised part way).
-        fastreplay's buffers call it after such a write.
+        For writes to the version entry that neither ``extend``/``add`` reported, nor the
+        storage counted, nor torch's version counter of the entry shows: edits made by another
+        process, or through ``tensor.data`` or a NumPy view. In-place edits through a view of
+        the storage in this process are seen without it. fastreplay's buffers call it after a
+        write that raised part way.
         """
         self._fr_dirty = True
         self._fr_pending, self._fr_pending_rows = [], 0
@@ -198,7 +206,9 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
             and seen is not None
             and not self._fr_dirty
             and revision == expected
-            and (self._fr_pending_writes or leaf._version == seen[4])
+            # Each write reported from this process moves the version entry's counter by one;
+            # any other move is an edit nobody reported (through a view): reread.
+            and leaf._version == seen[4] + self._fr_local_writes
             and self._fr_pending_rows < max(n // 2, 1)
         ):
             if self._fr_pending:
@@ -214,6 +224,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         self._fr_seen += (leaf._version, n)
         self._fr_revision, self._fr_dirty = revision, False
         self._fr_pending, self._fr_pending_rows, self._fr_pending_writes = [], 0, 0
+        self._fr_local_writes = 0
         return core
 
     def sample(self, storage: Storage, batch_size: int) -> tuple[torch.Tensor, dict]:
