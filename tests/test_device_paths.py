@@ -102,11 +102,9 @@ class HostReads:
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> HostReads:
-        for name in _HOST_READS:
-            original = self._saved[name] = torch.Tensor.__dict__.get(name)
-            method = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._counted(name, method))
-            del original
+        for name in _HOST_READS:  # (the inherited ones are put back by deleting the override)
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, self._counted(name, getattr(torch.Tensor, name)))
         return self
 
     def _counted(self, name: str, method: Callable) -> Callable:
