@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrl.data import LazyTensorStorage, RandomSampler
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
-from conftest import _collections_deferred
+from conftest import _collections_deferred, requires_storage_revision
 from fastreplay import PrioritizedSliceSampler, SliceSampler, TensorDictReplayBuffer
 from fastreplay.samplers._slice_info import truncation_flags
 
@@ -195,6 +195,7 @@ def _step_counts(rb: Any, device: str, n: int, batch: int) -> tuple:
     return index, data, extend, sample, priority
 
 
+@requires_storage_revision  # (the direct path needs the storage's write counter)
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 @pytest.mark.parametrize("sampler", [None, RandomSampler], ids=["default", "RandomSampler"])
 def test_uniform_step_is_a_fixed_number_of_launches_and_no_sync(device: str, sampler: Any):
@@ -231,6 +232,7 @@ def test_uniform_step_on_the_host_matches_torchrl():
         assert (got == expected).all()
 
 
+@requires_storage_revision
 def test_meta_storage_takes_the_direct_path_only():
     """TorchRL's general path reads the device on the host: on ``meta`` it raises."""
     rb = uniform_buffer("meta")
@@ -239,6 +241,7 @@ def test_meta_storage_takes_the_direct_path_only():
         rb.extend(rows(4, "meta"))
 
 
+@requires_storage_revision
 def test_device_branch_declines_data_on_another_device():
     """A host TensorDict written into an accelerator storage goes through TorchRL's path."""
     rb = uniform_buffer("meta")
