@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import importlib
+from collections.abc import Callable
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,48 @@ from fastreplay._torchrl import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _collections_deferred(send: Callable[..., Any]) -> Callable[..., Any]:
+    """``send`` with the garbage collector's automatic runs deferred until it returns."""
+
+    @functools.wraps(send)
+    def deferred(*args: Any, **kwargs: Any) -> Any:
+        if not gc.isenabled():
+            return send(*args, **kwargs)
+        gc.disable()
+        try:
+            return send(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    deferred.__wrapped_by_fastreplay_tests__ = True  # type: ignore[attr-defined]
+    return deferred
+
+
+def guard_resource_tracker() -> None:
+    """No garbage collection while this process talks to multiprocessing's resource tracker.
+
+    TorchRL sets the start method to ``"spawn"`` on import, so every ``mp.Value`` (TorchRL's
+    writer and storage counters, five per buffer, and fastreplay's shared-buffer counters)
+    holds a named semaphore, registered with the resource tracker and unregistered by a
+    finaliser once collected. A collection that starts inside ``register`` runs such a
+    finaliser while the tracker's lock is held: Python 3.12 refuses the reentrant call
+    (``ReentrantCallError``) and warns that the semaphore might leak, an error in this suite
+    (warnings are errors). The guard defers automatic collections for the duration of one
+    message to the tracker (one ``os.write``); no warning is filtered. Idempotent.
+    """
+    tracker = getattr(resource_tracker, "ResourceTracker", None)
+    for name in ("_send", "ensure_running"):  # a message; starting the tracker (a spawn's)
+        method = getattr(tracker, name, None)
+        if method is not None and not getattr(method, "__wrapped_by_fastreplay_tests__", False):
+            setattr(tracker, name, _collections_deferred(method))
+    instance = getattr(resource_tracker, "_resource_tracker", None)
+    if instance is not None:  # the module's alias, bound at its import
+        resource_tracker.ensure_running = instance.ensure_running
+
+
+guard_resource_tracker()
 
 
 def torchrl_extension_available() -> bool:

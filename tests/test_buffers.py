@@ -200,6 +200,17 @@ def generator(value: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
+def device_generator(value: int, kind: str, storage_device: str) -> torch.Generator:
+    """The generator a TorchRL user passes for sampler ``kind`` on a ``storage_device`` storage.
+
+    The uniform and slice samplers draw on the storage's device (TorchRL's refuse a generator
+    of another device: "Expected a 'cuda' device type for generator but found 'cpu'"); the
+    prioritized samplers draw on the host, next to their trees.
+    """
+    device = "cpu" if "prioritized" in kind else storage_device
+    return torch.Generator(device=device).manual_seed(value)
+
+
 def assert_slices_consistent(sample: TensorDict) -> None:
     """Built-in invariant: ``obs`` encodes (trajectory, step); values never get mixed up."""
     obs = sample["obs"].cpu()
@@ -789,13 +800,13 @@ def test_storage_on_device_samples_like_torchrl(
         storage=LazyTensorStorage(CAPACITY, device=storage_device),
         pin_memory=pin_memory,
         prefetch=prefetch,
-        generator=generator(5),
+        generator=device_generator(5, kind, storage_device),
     )
     ref = make_buffer(
         TorchRLBuffer,
         kind,
         storage=LazyTensorStorage(CAPACITY, device=storage_device),
-        generator=generator(5),
+        generator=device_generator(5, kind, storage_device),
     )
     try:
         for _ in range(3):
@@ -831,7 +842,7 @@ def test_ndim2_storage_on_device(storage_device: str, kind: str, request: pytest
             kind,
             chunks,
             storage=LazyTensorStorage(CAPACITY, ndim=2, device=storage_device),
-            generator=generator(6),
+            generator=device_generator(6, kind, storage_device),
             **extra,
         )
         for cls, extra in ((TensorDictReplayBuffer, {"pin_memory": True}), (TorchRLBuffer, {}))
@@ -904,19 +915,19 @@ def test_device_cpu_from_a_cuda_storage_is_synchronised():
 def test_device_argument_from_host_storages(storage: str, tmp_path: Any):
     from torchrl.data import LazyMemmapStorage
 
-    make_storage = {
-        "memmap": lambda: LazyMemmapStorage(CAPACITY, scratch_dir=tmp_path),
-        "tensor": lambda: LazyTensorStorage(CAPACITY),
+    make_storage = {  # one folder per memmap storage: a second in the same one is refused
+        "memmap": lambda name: LazyMemmapStorage(CAPACITY, scratch_dir=tmp_path / name),
+        "tensor": lambda name: LazyTensorStorage(CAPACITY),
     }[storage]
     rb = make_buffer(
         TensorDictReplayBuffer,
         "torchrl-slice",
-        storage=make_storage(),
+        storage=make_storage("ours"),
         device="cuda",
         generator=generator(8),
     )
     ref = make_buffer(
-        TorchRLBuffer, "torchrl-slice", storage=make_storage(), generator=generator(8)
+        TorchRLBuffer, "torchrl-slice", storage=make_storage("ref"), generator=generator(8)
     )
     data, info = rb.sample(return_info=True)
     assert data.device.type == "cuda"

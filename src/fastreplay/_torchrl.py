@@ -651,12 +651,17 @@ def truncation_flags(
             the last step: ``done`` is then ``truncated`` with no gather from the storage.
 
     Returns:
-        The three flags, ``[steps, 1]`` each. O(steps).
+        The three flags, ``[steps, 1]`` each, on the device of the stored flags (that of
+        ``truncated`` where none is stored): a sampler whose index lives on the host has its
+        ``truncated`` moved there, one copy to the device, never one back. O(steps).
     """
     done_key = _replace_last(truncated_key, "done")
     terminated_key = _replace_last(truncated_key, "terminated")
     done = data.get(done_key, default=None)
     terminated = data.get(terminated_key, default=None)
+    stored = done if done is not None else terminated
+    if stored is not None and not (stored.is_cpu and truncated.is_cpu):
+        truncated = truncated.to(stored.device)  # (a host-to-device copy, or nothing)
     if done is None or (ends_slices is not None and ends_slices(done_key, done)):
         done = truncated.clone()
     else:

@@ -9,16 +9,24 @@ the previous one checked, and with a fast sampler that glue is most of a trainin
 call:
 
 * a 1-D ``TensorStorage`` / ``LazyTensorStorage`` / ``LazyMemmapStorage`` holding a plain
-  ``TensorDict`` on CPU, written by a ``TensorDictRoundRobinWriter`` (no generation tracking);
+  ``TensorDict`` on CPU or on one accelerator (``LazyTensorStorage(device="cuda")``), written by
+  a ``TensorDictRoundRobinWriter`` (no generation tracking);
 * no transform, no prefetch, no pinning or ``device``, not shared, not consuming, the default
   collate function, ``dim_extend=0``, a synchronous sampler; no sample unit, or one of
   TorchRL's or fastreplay's ``Transition``/``Sequence``/``SubgoalTriplet`` (expanded after
   the sampler, as TorchRL does, by fastreplay's unit: :mod:`fastreplay.sample_units`);
 * ``extend``: a ``TensorDict`` with exactly the stored keys (``index`` aside), feature shapes
-  and dtypes, on CPU, 1 to ``max_size`` rows;
+  and dtypes, on the storage's device, 1 to ``max_size`` rows;
 * ``sample``: any sampler but a consuming one; a 1-D index tensor (or a tuple holding one,
   as slice samplers return) is gathered directly, runs of consecutive rows one run at a
   time; the metadata (``index``, weights, truncation flags) goes straight into the sample.
+
+On an accelerator storage the direct path is a fixed number of kernel launches per call (one
+``arange`` and one ``index_copy_`` per leaf to write; the sampler's draw and one
+``index_select`` per leaf to read) and reads nothing of the device on the host: the cursor,
+length and counters are host integers, the written rows are an ``arange`` on the data's
+device, as TorchRL's writer makes them, and TorchRL's ``RandomSampler`` draws on the
+storage's device. ``tests/test_device_paths.py`` counts those operations (docs/gpu.md).
 
 Anything else takes TorchRL's path unchanged. The fast path leaves the storage, writer and
 sampler in exactly the state TorchRL's path leaves them (cursor, ``write_count``, length,
@@ -356,8 +364,15 @@ class PathChoice:
             or store_rows != capacity
             or index_leaf.dtype != torch.long
             or index_leaf.shape != (capacity,)
-            or (device is not None and device.type != "cpu")
         ):
+            return None
+        # TorchRL's writer makes the rows on ``data``'s device (the CPU if it has none), and
+        # ``write_pairs`` checked that every leaf of ``data`` lies on its stored leaf's device.
+        if device is None or device.type == "cpu":
+            if not index_leaf.is_cpu:
+                return None
+            device = None
+        elif index_leaf.device != device:
             return None
         # The shared counters TorchRL's properties wrap (created by the first write, which
         # initialised the storage through the general path).
@@ -388,7 +403,11 @@ class PathChoice:
             cell.value = stop % capacity
         finally:
             lock.release()
-        index = torch.arange(cursor, stop)
+        index = (
+            torch.arange(cursor, stop)
+            if device is None
+            else torch.arange(cursor, stop, device=device)
+        )
         if stop > capacity:
             index.remainder_(capacity)
         _add(count_value, n)
@@ -574,20 +593,32 @@ class PathChoice:
         else:
             run = _run_length(sampler, batch_size)
         info["index"] = index
-        # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers).
+        # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers),
+        # on the storage's device (the CPU when the storage TensorDict has none).
         rows = index[0] if type(index) is tuple and len(index) == 1 else index
         length = storage.__dict__.get("_len_value")
+        device = plan[1]
+        if (
+            device is not None
+            and device.type != "cpu"
+            and type(rows) is torch.Tensor
+            and rows.is_cpu
+        ):
+            # host rows (a sampler whose index lives on the CPU) read from an accelerator:
+            # one copy to the device, as TorchRL's indexing makes it; the metadata stays
+            # where the sampler put it and is moved as TorchRL moves it (``write_info``)
+            rows = rows.to(device)
         if not (
             type(rows) is torch.Tensor
             and rows.dtype in _ROW_DTYPES
             and rows.ndim == 1
-            and rows.is_cpu
+            and (rows.is_cpu if device is None else _rows.on_device(rows, device))
             and length is not None
         ):
             data = self._fr_general_get(storage, index)
             return Bookkeeping.named(sampler, data), info, False
         extra = info
-        if rows is not index:  # as TensorDictReplayBuffer.sample writes it: stacked
+        if type(index) is tuple:  # as TensorDictReplayBuffer.sample writes it: stacked
             extra = {**info, "index": torch.stack(index, -1)}
         data, written = _rows.gather_rows(plan, rows, length.value, extra, run)
         return Bookkeeping.named(sampler, data), info, written

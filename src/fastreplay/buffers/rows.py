@@ -4,9 +4,11 @@ Pure core, no TorchRL imports. A replay buffer's ``TensorStorage`` keeps its row
 ``TensorDict`` whose leaves have the storage capacity as first dimension. TorchRL writes and
 reads it through ``TensorDict.__setitem__`` / ``__getitem__`` with an index tensor, which
 re-validates keys, shapes and batch sizes on every call. When the incoming rows have exactly
-the stored structure (same keys, feature shapes, dtypes, CPU tensors), the same result is one
-copy per leaf (``index_copy_``, :func:`write_rows`) and one ``index_select`` per leaf
-(:func:`gather_rows`).
+the stored structure (same keys, feature shapes, dtypes, on the stored device), the same result
+is one copy per leaf (``index_copy_``, :func:`write_rows`) and one ``index_select`` per leaf
+(:func:`gather_rows`). On an accelerator (a CUDA storage) those are a fixed number of kernel
+launches and nothing here reads a value of the device on the host: the row counts and
+cursors are host integers, the row indices live on the storage's device.
 
 :func:`write_pairs` and :func:`gather_plan` decide whether that holds; ``None`` means "take
 the general path" and nothing was touched.
@@ -39,6 +41,7 @@ __all__ = [
     "entry",
     "gather_plan",
     "gather_rows",
+    "on_device",
     "priority_rows",
     "write_fields",
     "write_pairs",
@@ -49,8 +52,8 @@ _PLAIN_TENSORS = (torch.Tensor, MemoryMappedTensor)
 
 # A gather plan: (batch size after the first dimension, device, entries, flat) for one level,
 # where an entry is (key, leaf tensor) or (key, nested plan), and ``flat``: one level of
-# leaves with no dimension after the first, on the CPU (the common storage, gathered by
-# :func:`_gather_flat`).
+# leaves with no dimension after the first, all on the level's device (the CPU when the
+# level has none: the common storage, gathered by :func:`_gather_flat`).
 Plan = tuple[torch.Size, Any, list[tuple[str, Any]], bool]
 
 _NO_REST = torch.Size([])
@@ -64,9 +67,9 @@ def write_pairs(
     A plain match: ``rows`` and every nested level are exactly ``TensorDict`` (no lazy
     stacks, tensorclasses or non-tensor data), with exactly the keys of ``store`` at the same
     level (``skip`` excepted at the top level: it is absent from ``rows``), the same batch
-    size after the first dimension, and leaves that are plain CPU tensors of the stored dtype
-    and feature shape that do not require grad. ``store``'s leaves must be plain CPU tensors
-    too. O(number of leaves).
+    size after the first dimension, and leaves that are plain tensors of the stored dtype,
+    feature shape and device that do not require grad. ``store``'s leaves must be plain
+    tensors too. O(number of leaves).
 
     Args:
         store: The storage ``TensorDict`` (first dimension: capacity).
@@ -105,7 +108,7 @@ def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: li
             or type(value) not in _PLAIN_TENSORS
             or value.dtype != leaf.dtype
             or not _same_rest(value.shape, leaf.shape)
-            or not (value.is_cpu and leaf.is_cpu)
+            or not ((value.is_cpu and leaf.is_cpu) or value.device == leaf.device)
             or value.requires_grad
         ):
             return False
@@ -144,12 +147,15 @@ def gather_plan(store: TensorDict) -> Plan | None:
     """How to read rows of ``store``, or ``None`` if a level is not a plain ``TensorDict``.
 
     Plain: every level is exactly ``TensorDict`` without dimension names, and every leaf a
-    plain CPU tensor. O(number of leaves).
+    plain tensor, on the CPU, or on the level's device (an accelerator storage's TensorDict
+    carries its device). O(number of leaves).
     """
     if type(store) is not TensorDict or store._td_dim_names is not None:
         return None
     entries: list[tuple[str, Any]] = []
     flat = True
+    device = store._device
+    on_host = device is None or device.type == "cpu"
     for key, leaf in store._tensordict.items():
         if type(leaf) is TensorDict:
             nested = gather_plan(leaf)
@@ -157,14 +163,20 @@ def gather_plan(store: TensorDict) -> Plan | None:
                 return None
             entries.append((key, nested))
             flat = False
-        elif type(leaf) in _PLAIN_TENSORS and leaf.is_cpu:
+        elif type(leaf) in _PLAIN_TENSORS and (leaf.is_cpu if on_host else leaf.device == device):
             entries.append((key, leaf))
         else:
             return None
-    size, device = store._batch_size, store._device
+    size = store._batch_size
     rest = _NO_REST if len(size) == 1 else size[1:]  # (a torch.Size slice is slow)
-    flat = flat and not rest and (device is None or device.type == "cpu")
-    return rest, device, entries, flat
+    return rest, device, entries, flat and not rest
+
+
+def on_device(value: torch.Tensor, device: Any) -> bool:
+    """Whether ``value`` lies on ``device`` (``None``: the CPU, as a plan's level). O(1)."""
+    if device is None or device.type == "cpu":
+        return value.is_cpu
+    return value.device == device
 
 
 def gather_rows(
@@ -184,13 +196,13 @@ def gather_rows(
 
     Args:
         plan: From :func:`gather_plan`.
-        index: 1-D integer tensor of rows (on CPU).
+        index: 1-D integer tensor of rows, on the plan's device (the CPU if it has none).
         stored: Number of filled rows; a row at or past it raises ``IndexError``.
         extra: Entries set afterwards, as ``TensorDict.set`` would in this order (a stored
             entry of the same name keeps its place and is not read; new ones come last in
             their level). Keys are strings or tuples of strings naming existing levels;
-            values are CPU tensors whose leading dimensions are the level's batch size. If
-            one entry does not fit that, none is set.
+            values are tensors on the level's device (the CPU if it has none) whose leading
+            dimensions are the level's batch size. If one entry does not fit that, none is set.
         run: Length of the runs ``index`` may be made of (checked; ``None``: row by row).
 
     Returns:
@@ -217,18 +229,19 @@ def _gather_flat(
 ) -> TensorDict | None:
     """:func:`gather_rows` for a flat plan, row by row, if every ``extra`` entry fits; else None.
 
-    ``extra`` fits if its keys are strings and its values CPU tensors of ``len(index)`` rows;
-    nothing is gathered otherwise.
+    ``extra`` fits if its keys are strings and its values tensors of ``len(index)`` rows on
+    the plan's device; nothing is gathered otherwise.
     """
     if extra:
         n = head[0]
+        device = plan[1]
         for key, value in extra.items():
             if (
                 type(key) is not str
                 or type(value) is not torch.Tensor
                 or not value.ndim
                 or value.shape[0] != n
-                or not value.is_cpu
+                or not (value.is_cpu if device is None else on_device(value, device))
             ):
                 return None
     else:
@@ -250,14 +263,14 @@ def _gather_flat(
 def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
     """Sort ``extra`` into a tree of levels in ``put``; False if an entry does not fit."""
     rest, device = plan[0], plan[1]
-    flat = not rest and (device is None or device.type == "cpu")
+    flat = not rest
     for key, value in extra.items():
         if flat and type(key) is str:  # the common case: a top-level entry of shape [n, ...]
             if (
                 type(value) is not torch.Tensor
                 or key in put
                 or value.shape[:1] != head
-                or not value.is_cpu
+                or not on_device(value, device)
             ):
                 return False
             put[key] = value
@@ -278,8 +291,7 @@ def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
         if (
             type(path[-1]) is not str
             or path[-1] in node
-            or not (device is None or device.type == "cpu")
-            or not value.is_cpu
+            or not on_device(value, device)
             or value.shape[: len(batch)] != batch
         ):
             return False
@@ -294,17 +306,21 @@ def _entry(plan: Plan, name: str) -> Any:
     return None
 
 
-_RUN_OFFSETS: dict[int, torch.Tensor] = {}
+_RUN_OFFSETS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def _run_starts(index: torch.Tensor, run: int | None, stored: int) -> torch.Tensor | None:
-    """First rows of the runs of ``run`` consecutive rows ``index`` is made of, or None."""
+    """First rows of the runs of ``run`` consecutive rows ``index`` is made of, or None.
+
+    The check (``torch.equal``) reads one value of ``index``'s device on the host: on an
+    accelerator, one synchronisation per sample of a slice sampler.
+    """
     n = index.shape[0]
     if run is None or run < 2 or n % run or n == 0 or stored < run:
         return None
-    offsets = _RUN_OFFSETS.get(run)
+    offsets = _RUN_OFFSETS.get((run, index.device))
     if offsets is None:
-        offsets = _RUN_OFFSETS[run] = torch.arange(run)
+        offsets = _RUN_OFFSETS[(run, index.device)] = torch.arange(run, device=index.device)
     runs = index.reshape(n // run, run)
     starts = runs[:, 0]
     if index.dtype != torch.long or not torch.equal(runs, starts.unsqueeze(1) + offsets):
