@@ -35,7 +35,7 @@ from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
 from conftest import _collections_deferred, requires_storage_revision
 from fastreplay import PrioritizedSliceSampler, SliceSampler, TensorDictReplayBuffer
-from fastreplay.samplers._slice_info import truncation_flags
+from fastreplay._torchrl import truncation_flags
 
 SYNC_OPS = frozenset(
     {
