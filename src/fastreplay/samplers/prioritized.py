@@ -268,9 +268,10 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         """Tree backend in use: ``"numba"``, ``"torch"`` or ``"device"``.
 
         ``"numba"``: compiled loops, CPU; ``"torch"``: any device; ``"device"``: fixed depth,
-        no host reads when sampling or writing, for accelerators. Chosen by the ``backend`` argument; ``None`` picks numba when it is installed and the
-        trees are on the CPU (else torch), and ``"device"`` when the trees live on an
-        accelerator (``device=`` or a CUDA storage that moves them).
+        no host reads when sampling or writing, for accelerators. Chosen by the ``backend``
+        argument; ``None`` picks numba when it is installed and the trees are on the CPU
+        (else torch), and ``"device"`` when the trees live on an accelerator (``device=`` or
+        a CUDA storage that moves them).
         """
         return self._trees.backend
 

@@ -48,10 +48,15 @@ import torch
 from fastreplay._core.trees.ops import check_mass, validate
 from fastreplay._core.trees.torch_backend import _BATCHED_SEARCHSORTED, PriorityTrees
 
-__all__ = ["DevicePriorityTrees", "branching_for"]
+__all__ = ["DevicePriorityTrees", "branching_for", "on_host"]
 
 _INF = math.inf
 _DEPTH = 3  # leaf level, two internal levels, then the root
+
+
+def on_host(index: torch.Tensor) -> bool:
+    """Whether ``index`` lives in host memory, where reading it waits for no device. O(1)."""
+    return index.device.type == "cpu"
 
 
 def branching_for(capacity: int) -> int:
@@ -202,7 +207,7 @@ class DevicePriorityTrees(PriorityTrees):
         leaves = torch.where(keep, column, self._neutral)  # -1 markers: neutral, at the trash
         self._write(torch.where(keep, index, self._trash), leaves)
 
-    def mark_update(
+    def mark_update(  # type: ignore[override]
         self,
         index: torch.Tensor,
         stored: int,
@@ -212,7 +217,7 @@ class DevicePriorityTrees(PriorityTrees):
         initial: float,
         upper: float,
         all_time_max: float | None,
-    ) -> tuple[float | torch.Tensor, int]:  # type: ignore[override]
+    ) -> tuple[float | torch.Tensor, int]:
         """Write the default priority at every slot of ``index`` (``-1`` skipped).
 
         An index on the host (trees elsewhere, or on the CPU) is checked there first, as
@@ -222,7 +227,7 @@ class DevicePriorityTrees(PriorityTrees):
         index lives on an accelerator (not read back). O(k B).
         """
         i_max = stored - 1
-        if index.device.type == "cpu":  # host values: checking them waits for nothing
+        if on_host(index):  # host values: checking them waits for nothing
             i_lo, i_hi = (bound.item() for bound in torch.aminmax(index))
             if not 0 <= i_lo <= i_hi < stored:
                 zero = torch.zeros(1, dtype=torch.float64)
