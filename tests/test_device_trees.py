@@ -28,7 +28,7 @@ import fastreplay._core.trees.device_backend as device_backend
 from fastreplay import PrioritizedSampler, TensorDictReplayBuffer
 
 # Torch ops per step part on the device backend (CPU tensors; the same code on CUDA).
-OP_BUDGET = {"mark_update": 54, "sample": 44, "update_priority": 49}
+OP_BUDGET = {"mark_update": 54, "sample": 41, "update_priority": 49}
 HOST_READ_BUDGET = {"mark_update": 0, "sample": 0, "update_priority": 1}
 _SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero"}
 _READING_METHODS = ("tolist", "numpy", "item", "cpu", "__bool__", "__float__", "__int__")

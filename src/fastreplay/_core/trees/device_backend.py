@@ -290,12 +290,15 @@ class DevicePriorityTrees(PriorityTrees):
         ``min(prefix, just below the group's sum)``: the child where the prefix falls, or the
         group's last child with mass when rounding overshoots the group.
         """
-        b, s = self.branching, prefix.numel()
-        column = prefix.view(-1, 1)
-        node: torch.Tensor | None = None
-        for depth in range(_DEPTH - 1, -1, -1):
-            groups = self._sum_groups[depth]
-            children = groups.expand(s, b) if node is None else groups.index_select(0, node)
+        b = self.branching
+        # the top: one row of b sums, searched by every prefix at once
+        top = self._top_row
+        cumsum = top.cumsum(0)
+        bound = torch.minimum(prefix, torch.nextafter(cumsum[-1], self._zero))
+        node = torch.searchsorted(cumsum, bound, right=True).clamp_max_(b - 1)
+        column = (prefix - (cumsum - top).index_select(0, node)).view(-1, 1)
+        for depth in (1, 0):
+            children = self._sum_groups[depth].index_select(0, node)
             cumsum = children.cumsum(1)
             bound = torch.minimum(column, torch.nextafter(cumsum[:, -1:], self._zero))
             if _BATCHED_SEARCHSORTED:
@@ -305,9 +308,7 @@ class DevicePriorityTrees(PriorityTrees):
             choice = choice.clamp_max_(b - 1)  # only an empty group (no mass at all) needs it
             if depth:
                 column = column - (cumsum - children).gather(1, choice)
-            flat = choice.view(-1)
-            node = flat if node is None else torch.add(flat, node, alpha=b)
-        assert node is not None
+            node = torch.add(choice.view(-1), node, alpha=b)
         return node
 
     def sample_live(
