@@ -177,12 +177,14 @@ def test_numba_trees_pickle_and_stay_on_cpu() -> None:
 def test_make_trees_picks_and_rejects_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = "numba" if numba_trees.NUMBA_AVAILABLE else "torch"
     assert make_trees(7).backend == expected
-    assert available_backends() == (("torch", "numba") if expected == "numba" else ("torch",))
+    present = ("torch", "numba", "device") if expected == "numba" else ("torch", "device")
+    assert available_backends() == present
     assert make_trees(7, backend="torch").backend == "torch"
     assert isinstance(make_trees(7, backend="torch"), PriorityTrees)
-    assert make_trees(7, device="meta").backend == "torch"  # not the CPU: torch trees
+    assert make_trees(7, device="meta").backend == "device"  # not the CPU: device trees
+    assert make_trees(7, backend="torch", device="meta").backend == "torch"
     with pytest.raises(
-        ValueError, match=r"backend must be None, 'torch' or 'numba', got backend='cpp'"
+        ValueError, match=r"backend must be None, 'torch', 'numba' or 'device', got backend='cpp'"
     ):
         make_trees(7, backend="cpp")
     cuda_error = "keeps the priority trees on the CPU" if expected == "numba" else "needs the numba"
@@ -195,9 +197,9 @@ def test_make_trees_picks_and_rejects_backends(monkeypatch: pytest.MonkeyPatch) 
 
 
 @requires_cuda
-def test_cuda_trees_are_torch() -> None:
+def test_cuda_trees_are_device_trees() -> None:
     trees = make_trees(50, device="cuda")
-    assert trees.backend == "torch" and trees.device.type == "cuda"
+    assert trees.backend == "device" and trees.device.type == "cuda"
 
 
 # ---------------------------------------------------------------------- torch trees' own shapes

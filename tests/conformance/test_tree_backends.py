@@ -1,7 +1,8 @@
 """PrioritizedSampler on every tree backend present: oracle, cross-backend identity, errors.
 
-The ``backend`` fixture runs each test on the pure-torch trees and, where numba is installed,
-on the compiled ones (skipped with a reason otherwise). Where TorchRL's compiled extension
+The ``backend`` fixture runs each test on the pure-torch trees, on the device backend's (with
+CPU tensors) and, where numba is installed, on the compiled ones (skipped with a reason
+otherwise). Where TorchRL's compiled extension
 loads, the sampler is also checked against TorchRL's own sampler fed the same calls. The tests
 that put the sampler into a buffer run it in TorchRL's ``TensorDictReplayBuffer`` and in
 fastreplay's (``buffer_side``).
@@ -27,7 +28,7 @@ from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees
 from fastreplay._core.trees.torch_backend import PriorityTrees
 
 
-@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])
+@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba), "device"])
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -391,7 +392,7 @@ def test_same_calls_as_torchrl(backend: str, buffer_side: str) -> None:
 
 
 @requires_cuda
-def test_cuda_storage_switches_auto_backend_to_torch(buffer_side: str) -> None:
+def test_cuda_storage_switches_auto_backend_to_device(buffer_side: str) -> None:
     sampler = PrioritizedSampler(30, 0.7, 0.5)
     rb = _td_buffer(
         buffer_side,
@@ -400,7 +401,7 @@ def test_cuda_storage_switches_auto_backend_to_torch(buffer_side: str) -> None:
         priority_key="td_error",
     )
     rb.extend(_rows(0, 10, torch.rand(10) + 0.1).to("cuda"))
-    assert sampler.backend == "torch" and sampler.device.type == "cuda"
+    assert sampler.backend == "device" and sampler.device.type == "cuda"
     assert sampler.default_priority == sampler._trees.raw()[:10].max().item()
 
 

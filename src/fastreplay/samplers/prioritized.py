@@ -73,9 +73,11 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
       O(log capacity) on every write, re-prioritisation or overwrite; ``upper_priority`` caps
       it and ``initial_priority`` is used while nothing prioritised is stored (pytorch/rl
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
-    * The trees need no compiled TorchRL extension. Two backends: numba's compiled loops on
-      the CPU (the default when numba is installed) and pure torch (CPU or CUDA, the
-      default without numba or for CUDA storages); ``backend`` picks one. Fed the same calls
+    * The trees need no compiled TorchRL extension. Three backends: numba's compiled loops on
+      the CPU (the default when numba is installed), pure torch (CPU or CUDA, the CPU
+      default without numba) and ``"device"``, pure torch in a fixed shallow layout whose
+      ``sample`` and ``mark_update`` read nothing back to the host (the default for trees on
+      an accelerator, e.g. a CUDA storage's); ``backend`` picks one. Fed the same calls
       on the CPU, both hold bit-for-bit the same priorities and masses and return the same
       weights for the same items; they draw the same indices, except where float64 totals
       summed in another order move a draw across a boundary between two items (within about
@@ -263,10 +265,13 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
 
     @property
     def backend(self) -> str:
-        """Tree backend in use: ``"numba"`` (compiled loops, CPU) or ``"torch"`` (any device).
+        """Tree backend in use: ``"numba"``, ``"torch"`` or ``"device"``.
 
-        Chosen by the ``backend`` argument; ``None`` picks numba when it is installed and the
-        trees are on the CPU, and switches to torch if a CUDA storage moves the trees.
+        ``"numba"``: compiled loops, CPU; ``"torch"``: any device; ``"device"``: fixed depth,
+        no host reads when sampling or writing, for accelerators. Chosen by the ``backend``
+        argument; ``None`` picks numba when it is installed and the trees are on the CPU
+        (else torch), and ``"device"`` when the trees live on an accelerator (``device=`` or
+        a CUDA storage that moves them).
         """
         return self._trees.backend
 
@@ -389,18 +394,24 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
     def extend(self, index: torch.Tensor | tuple) -> None:
         """No-op: priorities of new items are set by ``mark_update``, called by the writer."""
 
-    def _flat_index(self, index: Any, storage: Storage | None) -> torch.Tensor:
-        """1-D long tensor of flat slots (coordinates are raveled with the storage shape)."""
-        if (  # hot path: already a flat long tensor on the trees' device
+    def _flat_index(
+        self, index: Any, storage: Storage | None, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """1-D long tensor of flat slots (coordinates are raveled with the storage shape).
+
+        On ``device`` (the trees' device by default).
+        """
+        device = self._trees.device if device is None else device
+        if (  # hot path: already a flat long tensor on that device
             type(index) is torch.Tensor
             and index.dtype == torch.long
             and index.ndim == 1
-            and index.device == self._trees.device
+            and index.device == device
         ):
             return index
         if isinstance(index, tuple):
             index = torch.stack([torch.as_tensor(i) for i in index], -1)
-        index = torch.as_tensor(index, device=self.device)
+        index = torch.as_tensor(index, device=device)
         if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
             raise TypeError(f"index must hold integers, got dtype {index.dtype}")
         index = index.long()
@@ -418,7 +429,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
                     f"of shape [k, {storage.ndim}] (the 'index' a sample returned); nothing was "
                     "updated"
                 )
-            shape = torch.as_tensor(tuple(storage.shape), device=self.device)
+            shape = torch.as_tensor(tuple(storage.shape), device=device)
             bad = ((index < 0) | (index >= shape)).any(-1)
             if bool(bad.any()):
                 raise ValueError(
@@ -583,7 +594,10 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         inherits the priority of the item it replaced.
         """
         self._maybe_init_from_storage(storage)
-        flat = self._flat_index(index, storage)
+        host = getattr(self._trees, "sync_free", False) and not (
+            isinstance(index, torch.Tensor) and index.device == self._trees.device
+        )  # device trees check a host index on the host, then copy it over
+        flat = self._flat_index(index, storage, torch.device("cpu") if host else None)
         if flat.numel() == 0:
             return
         stored = self._stored(storage)
@@ -596,8 +610,8 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         )  # fmt: skip
         if i_max >= self._written_end:
             self._written_end = i_max + 1
-        if not within and value > self._all_time_max:  # rare: note where (the first slot)
-            self._all_time_at, self._all_time_max = int(flat[flat != -1][0]), value
+        if not within and float(value) > self._all_time_max:  # rare: note the first slot
+            self._all_time_at, self._all_time_max = int(flat[flat != -1][0]), float(value)
 
     # ------------------------------------------------------------------ sampling
     @_locked
@@ -615,6 +629,13 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
             raise RuntimeError(
                 "Cannot sample from an empty storage: extend the buffer before sampling."
             )
+        f32 = self.dtype == torch.float32
+        if self._samples_on_device(stored, f32):  # device trees: no host read
+            draw = uniform_draws(batch_size, self._rng, self.device)
+            index, weight = self._trees.sample_live(draw, self._beta, f32)  # type: ignore[attr-defined]
+            if storage.ndim > 1:
+                index = torch.unravel_index(index, tuple(storage.shape))
+            return index, {"priority_weight": weight}
         limit = None
         if self._written_end > stored:  # priorities set (without storage=) past the stored
             limit = stored  # items: draw below len(storage) only, as TorchRL
@@ -634,11 +655,27 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
                 f"eps={self._eps}, so (p_i / p_min) ** -beta is undefined; use eps > 0."
             )
         draw = uniform_draws(batch_size, self._rng, self.device)
-        f32 = self.dtype == torch.float32
         index, weight = self._trees.sample(draw, total, m_min, self._beta, f32, limit)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
         return index, {"priority_weight": weight}
+
+    def _samples_on_device(self, stored: int, f32: bool) -> bool:
+        """Whether ``sample`` can take the device trees' path that reads nothing back. O(1).
+
+        It needs what the checks of the other path read from the trees, known on the host
+        instead: a written slot (every one below ``len(storage)``) and a positive mass for
+        every written slot (``eps ** alpha``, the smallest mass, positive in ``dtype``).
+        """
+        if not getattr(self._trees, "sync_free", False):
+            return False
+        if not 0 < self._written_end <= stored:
+            return False
+        try:
+            floor = self._eps**self._alpha  # 0 ** 0 is 1: every mass is 1
+        except OverflowError:
+            floor = math.inf
+        return float(np.float32(floor)) > 0 if f32 else floor > 0
 
     def _all_time_index(self) -> int | None:
         """Slot where the all-time max priority was set (``max_priority_within_buffer=False``)."""

@@ -1,9 +1,13 @@
 """Priority-tree backends: their interface, which ones run here, a factory (no TorchRL imports).
 
-Two backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
+Three backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
 (:class:`fastreplay._core.trees.torch_backend.PriorityTrees`: pure torch, any device, always
-available) and ``"numba"`` (:class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`:
-compiled loops on the CPU, when numba is installed). Fed the same calls on the CPU, both hold
+available), ``"numba"`` (:class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`:
+compiled loops on the CPU, when numba is installed) and ``"device"``
+(:class:`fastreplay._core.trees.device_backend.DevicePriorityTrees`: pure torch in a fixed
+depth-3 layout whose sampling and writes read nothing back to the host, the default on
+accelerators; float64 masses by ``torch.pow``, which may differ from the C library's in the
+last bit). Fed the same calls on the CPU, both hold
 bit-for-bit the same leaves (raw priorities and masses, whose ``pow`` is the C library's on
 both: :func:`fastreplay._core.trees.ops.c_pow`) and return the same weights for the same leaves.
 Their inner nodes sum the children in different orders (each vectorizes its own way), so with
@@ -32,7 +36,7 @@ from fastreplay._core.trees.torch_backend import PriorityTrees
 
 __all__ = ["BACKENDS", "PriorityTreeBackend", "available_backends", "make_trees", "move_trees"]
 
-BACKENDS = ("torch", "numba")
+BACKENDS = ("torch", "numba", "device")
 
 
 class PriorityTreeBackend(Protocol):
@@ -50,7 +54,7 @@ class PriorityTreeBackend(Protocol):
     """
 
     backend: str
-    """``"torch"`` or ``"numba"``."""
+    """``"torch"``, ``"numba"`` or ``"device"``."""
     capacity: int
     branching: int
     device: torch.device
@@ -165,7 +169,7 @@ class PriorityTreeBackend(Protocol):
         initial: float,
         upper: float,
         all_time_max: float | None,
-    ) -> tuple[float, int]:
+    ) -> tuple[float | torch.Tensor, int]:
         """Write one priority at every slot of ``index`` (``-1`` skipped): new items' default.
 
         Checks ``index`` first. With ``all_time_max=None`` (the live max): if a slot of
@@ -176,6 +180,9 @@ class PriorityTreeBackend(Protocol):
 
         Returns:
             ``(value written, largest slot written)``; ``(-inf, -1)`` if every index is ``-1``.
+            The device backend returns, without reading them back, the live-max value as a
+            0-dim tensor and ``stored - 1`` as the largest slot of an index on an
+            accelerator.
 
         O(k log_B capacity).
         """
@@ -212,10 +219,10 @@ class PriorityTreeBackend(Protocol):
 
 
 def available_backends() -> tuple[str, ...]:
-    """The tree backends that work in this environment (``"torch"`` always does)."""
+    """The tree backends that work in this environment (``"torch"`` and ``"device"`` always do)."""
     from fastreplay._core.trees.numba_backend import NUMBA_AVAILABLE
 
-    return ("torch", "numba") if NUMBA_AVAILABLE else ("torch",)
+    return ("torch", "numba", "device") if NUMBA_AVAILABLE else ("torch", "device")
 
 
 def make_trees(
@@ -230,12 +237,14 @@ def make_trees(
     Args:
         capacity: number of leaf slots.
         backend: ``"numba"`` (compiled loops, CPU only, needs the optional numba),
-            ``"torch"`` (pure torch, any device) or ``None``: numba when it is installed and
-            the trees live on the CPU, else torch.
+            ``"torch"`` (pure torch, any device), ``"device"`` (pure torch, fixed depth, no
+            host reads when sampling or writing: for accelerators) or ``None``: ``"device"``
+            off the CPU; on the CPU numba when it is installed, else torch.
         device: where the trees live (CPU by default).
         branching: fan-out of every internal node; ``None`` takes the backend's default
             (32 for torch, where the number of levels sets the cost; 8 for numba, where the
-            memory touched per level does).
+            memory touched per level does; for device, the smallest ``B`` with
+            ``B ** 3 > capacity``).
 
     Raises:
         ValueError: an unknown ``backend``, or one that cannot run here (numba missing, or
@@ -245,16 +254,20 @@ def make_trees(
         >>> make_trees(7, backend="torch").backend
         'torch'
     """
+    from fastreplay._core.trees.device_backend import DevicePriorityTrees
     from fastreplay._core.trees.numba_backend import NUMBA_AVAILABLE, NumbaPriorityTrees
 
     if backend is not None and backend not in BACKENDS:
         raise ValueError(
-            f"backend must be None, 'torch' or 'numba', got backend={backend!r}; None picks "
-            "numba when it is installed and the trees are on the CPU"
+            f"backend must be None, 'torch', 'numba' or 'device', got backend={backend!r}; "
+            "None picks 'device' for trees off the CPU, and on the CPU numba when it is "
+            "installed, else torch"
         )
     on_cpu = device is None or torch.device(device).type == "cpu"
     if backend is None:
-        backend = "numba" if NUMBA_AVAILABLE and on_cpu else "torch"
+        backend = ("numba" if NUMBA_AVAILABLE else "torch") if on_cpu else "device"
+    if backend == "device":
+        return DevicePriorityTrees(capacity, device=device, branching=branching)
     if backend == "numba":
         if not NUMBA_AVAILABLE:
             raise ValueError(
@@ -276,8 +289,8 @@ def move_trees(
     """``trees`` on ``device``, every priority kept. O(capacity).
 
     Moved in place where their backend lives there. With ``backend=None`` (the automatic
-    choice of :func:`make_trees`), CPU-only trees asked onto another device are rebuilt on the
-    torch backend there instead.
+    choice of :func:`make_trees`), trees asked off the CPU are rebuilt on the ``"device"``
+    backend there (unless they are on it already).
 
     Raises:
         ValueError: ``backend`` was chosen explicitly and cannot live on ``device``.
@@ -287,8 +300,8 @@ def move_trees(
         'torch'
     """
     device = torch.device(device)
-    if backend is None and device.type != "cpu" and trees.backend != "torch":
-        moved = make_trees(trees.capacity, backend="torch", device=device)
+    if backend is None and device.type != "cpu" and trees.backend != "device":
+        moved = make_trees(trees.capacity, backend="device", device=device)
         moved.set_leaves(trees.leaf_mass(), trees.raw())
         return moved
     return trees.to(device)
