@@ -987,3 +987,42 @@ def test_her_streaming_small_run_is_correct(tmp_path: Path) -> None:
         "can_sample after extend(1000), 3.001k",
     ]
     assert all(r["correct"] and r["speedup"] > 0 for r in payload["results"])
+
+
+@pytest.mark.usefixtures("_restore_threads")
+def test_gpu_scenario_small_on_the_host_is_correct(tmp_path: Path, capsys) -> None:
+    """Every row of the gpu scenario runs on the host at a tiny size, every side correct."""
+    argv = ["--only", "gpu", "--gpu-device", "cpu", "--gpu-stored", "2000", "--gpu-batch", "8"]
+    argv += ["--gpu-pin-stored", "32", "--gpu-logp-batch", "600", "--repeats", "1"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    cases = [r["case"] for r in payload["results"]]
+    assert cases == [
+        "uniform step (extend 64, sample 8), 2k, cpu",
+        "PER step (extend 1, sample 8, update), 2k, cpu",
+        "slice online step (extend 500, sample 8x4), 2k, cpu",
+        "slice static sample (8x4), 2k, cpu",
+        "sample + copy, 8x84x84x3 uint8, cpu",
+        "chunked log-prob (default budget) vs one-shot, 600, cpu",
+    ]
+    for row in payload["results"]:
+        assert row["correct"] and row["floor_s"] > 0, row["case"]
+        if row["torchrl_s"] is None:  # only TorchRL's PER without its compiled trees
+            assert row["case"].startswith("PER") and "torchrl_not_run" in row["extra"]
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_gpu_scenario_without_cuda_is_not_measured_and_says_why(tmp_path: Path, capsys) -> None:
+    assert main(["--only", "gpu", "--out", str(tmp_path)]) == 1  # no results at all
+    payload = json.loads((tmp_path / "results.json").read_text())
+    reason = payload["not_measured"]["gpu"]
+    assert "no CUDA device" in reason and "--gpu-device cpu" in reason
+    assert "not measured: no CUDA device" in capsys.readouterr().out
+
+
+def test_gpu_scenario_refuses_a_storage_smaller_than_two_episodes(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--only", "gpu", "--gpu-stored", "999"])
+    assert exit_info.value.code == 2
+    assert "--gpu-stored 999: at least 1000" in capsys.readouterr().err

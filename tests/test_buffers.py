@@ -108,6 +108,8 @@ class FakePinning:
         self._storages: set[int] = set()
         self._keep: list[torch.Tensor] = []  # keeps storages alive, so pointers are not reused
         self.threads: list[threading.Thread] = []
+        self.allocated: list[threading.Thread] = []  # pinned_empty calls
+        self.allocated_storages: set[int] = set()
         self.lock = threading.Lock()
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -117,6 +119,16 @@ class FakePinning:
             self._storages.add(copy.untyped_storage().data_ptr())
             self.threads.append(threading.current_thread())
         return copy
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A "pinned" allocation for a gather to write into: remembered like a pinned copy."""
+        out = torch.empty(shape, dtype=dtype)
+        with self.lock:
+            self._keep.append(out)
+            self._storages.add(out.untyped_storage().data_ptr())
+            self.allocated.append(threading.current_thread())
+            self.allocated_storages.add(out.untyped_storage().data_ptr())
+        return out
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         # Pinned-ness belongs to the storage: views (expand, index) of a pinned tensor count.
@@ -133,6 +145,7 @@ def fake_pinning(monkeypatch: pytest.MonkeyPatch) -> FakePinning:
     monkeypatch.setattr(_pinning, "pinning_available", lambda: True)
     monkeypatch.setattr(_pinning, "_pin_tensor", fake.pin)
     monkeypatch.setattr(_pinning, "_is_pinned", fake.is_pinned)
+    monkeypatch.setattr(_pinning, "_pinned_empty", fake.empty)
     return fake
 
 
@@ -143,6 +156,7 @@ def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(_pinning, "pinning_available", lambda: False)
     monkeypatch.setattr(_pinning, "_pin_tensor", must_not_pin)
+    monkeypatch.setattr(_pinning, "_pinned_empty", must_not_pin)
 
 
 def _requires_ext() -> None:
@@ -949,3 +963,97 @@ def test_restored_prefetch_queue_is_pinned(fake_pinning: FakePinning):
     finally:
         shutdown(rb)
         shutdown(other)
+
+
+# ----------------------------------------------------------------------------- staged gathers
+
+
+def stored_leaves(sample: TensorDict, kind: str) -> list:
+    """The sample's leaves read from the storage (not the metadata written afterwards)."""
+    metadata = EXPECTED_METADATA[kind]
+    return [(path, t) for path, t in tensor_leaves(sample) if path[-1] not in metadata]
+
+
+@pytest.mark.parametrize("kind", ["random", "torchrl-slice", "fastreplay-slice"])
+@pytest.mark.parametrize("prefetch", [None, 2])
+def test_host_storage_gathers_straight_into_pinned_memory(
+    fake_pinning: FakePinning, kind: str, prefetch: int | None
+):
+    """One host copy per stored leaf: the gather writes into pinned memory, nothing re-pins it."""
+    rb = make_buffer(TensorDictReplayBuffer, kind, pin_memory=True, prefetch=prefetch)
+    try:
+        if prefetch:
+            rb.sample()  # empty queue: built in the caller's thread
+        for _ in range(3):
+            synchronize(rb)
+            fake_pinning.threads.clear()
+            fake_pinning.allocated.clear()
+            data, info = rb.sample(return_info=True)
+            synchronize(rb)
+            assert unpinned((data, info), fake_pinning.is_pinned) == []
+            # every stored leaf was gathered into a pinned allocation, none copied into one
+            stored = stored_leaves(data, kind)
+            assert stored
+            for path, leaf in stored:
+                assert leaf.untyped_storage().data_ptr() in fake_pinning.allocated_storages, path
+            assert_slices_consistent(data)
+            if prefetch:  # queued samples are gathered in the prefetch threads
+                assert threading.main_thread() not in fake_pinning.allocated
+    finally:
+        shutdown(rb)
+
+
+@pytest.mark.parametrize("kind", ["random", "torchrl-slice", "fastreplay-slice"])
+def test_staged_samples_equal_torchrl(fake_pinning: FakePinning, kind: str):
+    ours = make_buffer(TensorDictReplayBuffer, kind, pin_memory=True, generator=generator(5))
+    got = [ours.sample(return_info=True) for _ in range(3)]
+    assert fake_pinning.allocated  # the staged gather ran
+    ref = make_buffer(TorchRLBuffer, kind, generator=generator(5))
+    want = [ref.sample(return_info=True) for _ in range(3)]
+    for (data, info), (ref_data, ref_info) in zip(got, want, strict=True):
+        assert_same_tensordict(data, ref_data)
+        assert set(info) == set(ref_info)
+        for (_, a), (_, b) in zip(tensor_leaves(info), tensor_leaves(ref_info), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_returned_pinned_samples_are_never_reused(fake_pinning: FakePinning):
+    """A pinned host sample belongs to the caller: later samples never write into it."""
+    rb = make_buffer(TensorDictReplayBuffer, "random", pin_memory=True, prefetch=2)
+    try:
+        first = rb.sample()
+        kept = first.clone()
+        later = [rb.sample() for _ in range(6)]
+        synchronize(rb)
+        assert_same_tensordict(first, kept)
+        ptrs = {t.untyped_storage().data_ptr() for _, t in tensor_leaves(first)}
+        for sample in later:
+            assert ptrs.isdisjoint(t.untyped_storage().data_ptr() for _, t in tensor_leaves(sample))
+    finally:
+        shutdown(rb)
+
+
+def test_transforms_take_the_general_read_then_pin(fake_pinning: FakePinning):
+    rb = make_buffer(
+        TensorDictReplayBuffer, "random", pin_memory=True, transform=device_none_transform
+    )
+    data = rb.sample()
+    assert unpinned(data, fake_pinning.is_pinned) == []
+    assert not fake_pinning.allocated  # the transform's output is pinned by copy
+    assert fake_pinning.calls > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("prefetch", [None, 3])
+def test_cuda_device_samples_from_pinned_staging_are_right(prefetch: int | None):
+    """Gathered into pinned memory, copied on a prefetch thread's stream: values intact."""
+    rb = make_buffer(TensorDictReplayBuffer, "fastreplay-slice", device="cuda", prefetch=prefetch)
+    try:
+        for _ in range(8):
+            data = rb.sample()
+            assert data.device.type == "cuda"
+            # work on the caller's stream right away reads the copied values
+            assert_slices_consistent(data)
+            del data
+    finally:
+        shutdown(rb)

@@ -27,8 +27,10 @@ from torchrl.modules import (
 )
 from torchrl.objectives import ClipPPOLoss, KLPENPPOLoss
 
+import fastreplay.ppo
 from fastreplay import chunked_log_prob
 from fastreplay._torchrl import TORCHRL_VERSION
+from fastreplay.ppo import default_max_memory
 
 OBS, ACT = 5, 3
 
@@ -662,7 +664,6 @@ def test_clip_ppo_loss_rejects_what_the_naive_call_stores(kind):
         (8.0, TypeError, r"chunk_size must be an int, got 8.0 of type float"),
         ("8", TypeError, r"chunk_size must be an int, got '8'"),
         (True, TypeError, r"chunk_size must be an int, got True of type bool"),
-        (None, TypeError, r"chunk_size must be an int, got None"),
     ],
 )
 def test_bad_chunk_size(chunk_size, error, match):
@@ -737,3 +738,135 @@ def test_actor_failure_leaves_data_unchanged():
     assert_unchanged(data, before)
     assert actor.training
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+# -- chunk size chosen from a memory budget ----------------------------------------------------
+
+# What normal_actor (float64) produces per element, in doubles: the recorder's output (5), the
+# two Linear layers and the Tanh (16 + 16 + 6), NormalParamExtractor's loc and scale (3 + 3) and
+# its scale mapping (3), the Sequential's returned pair (3 + 3), and the log-prob (3).
+NORMAL64_BYTES = 8 * (5 + 16 + 16 + 6 + 3 + 3 + 3 + 3 + 3 + 3)
+
+
+def test_budget_gives_the_chunk_size():
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (1000,), torch.float64)
+    expected = one_shot(actor, data)
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data, max_memory=100 * NORMAL64_BYTES)
+    assert_same64(lp, expected)
+    # The first chunk (fastreplay.ppo.PROBE_ELEMENTS) measures; then 100 rows fit the budget.
+    assert rec.sizes == [256] + [100] * 7 + [44]
+    rec.sizes.clear()
+    chunked_log_prob(actor, data.copy(), max_memory=f"{200 * NORMAL64_BYTES / 1000}kB")
+    assert rec.sizes == [256] + [200] * 3 + [144]
+
+
+def test_budget_chunks_equal_fixed_chunks_bit_for_bit():
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (1000,), torch.float64)
+    by_budget = chunked_log_prob(actor, data.copy(), max_memory=50 * NORMAL64_BYTES)
+    flat = data.reshape(-1)
+    pieces = [one_shot(actor, flat[:256])]
+    pieces += [one_shot(actor, flat[i : i + 50]) for i in range(256, 1000, 50)]
+    assert torch.equal(by_budget, torch.cat(pieces))
+
+
+def test_tiny_budget_still_makes_progress():
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (300,), torch.float64)
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data, max_memory=1)
+    assert rec.sizes == [256] + [1] * 44
+    assert_same64(lp, one_shot(actor, data))
+
+
+def test_default_is_a_budget():
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (1000,), torch.float64)
+    assert default_max_memory(data.device) == default_max_memory("cpu") == 2**30
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data)  # 1 GiB on the host: the rest in one chunk
+    assert rec.sizes == [256, 744]
+    assert_same64(lp, one_shot(actor, data))
+    rec.sizes.clear()
+    chunked_log_prob(actor, data.copy(), chunk_size=None, max_memory=None)
+    assert rec.sizes == [256, 744]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_default_budget_on_cuda_is_a_quarter_of_free_memory():
+    free, _ = torch.cuda.mem_get_info()
+    budget = default_max_memory("cuda")
+    assert abs(budget - free // 4) <= free // 100
+    actor = normal_actor(torch.float64).to("cuda")
+    data = make_data(actor.cpu(), (5000,), torch.float64).to("cuda")
+    actor.to("cuda")
+    expected = one_shot(actor, data)
+    torch.testing.assert_close(chunked_log_prob(actor, data), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_budget_keeps_sequences_whole(kind):
+    actor = recurrent_actor(kind)
+    data = rollout((40, 16))
+    expected = one_shot(actor, data)
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data, max_memory=1)
+    assert_same64(lp, expected)
+    # 256 elements: 16 sequences of 16 steps; then one whole sequence per call.
+    assert rec.sizes == [16] + [1] * 24
+    one = rollout((16,))  # a single sequence is one call, whatever the budget
+    expected = one_shot(actor, one)
+    rec.sizes.clear()
+    assert_same64(chunked_log_prob(actor, one, max_memory=1), expected)
+    assert rec.sizes == [16]
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("1GiB", 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("64kB", 64_000),
+        ("2KiB", 2048),
+        ("100", 100),
+        ("7b", 7),
+        (np.int64(4096), 4096),
+        (10**12, 10**12),
+    ],
+)
+def test_max_memory_sizes(text, size):
+    assert fastreplay.ppo._check_max_memory(text) == size
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_memory": "1 GiBs"}, ValueError, r"max_memory='1 GiBs' is not a memory size.*'1GiB'"),
+        ({"max_memory": "lots"}, ValueError, r"max_memory='lots' is not a memory size"),
+        ({"max_memory": ""}, ValueError, r"max_memory='' is not a memory size"),
+        ({"max_memory": 0}, ValueError, r"max_memory must be at least 1 byte, got 0"),
+        ({"max_memory": "0.1B"}, ValueError, r"at least 1 byte, got '0.1B'"),
+        ({"max_memory": -1}, ValueError, r"at least 1 byte, got -1"),
+        ({"max_memory": 1.5}, TypeError, r"max_memory must be .*got 1.5 of type float"),
+        ({"max_memory": True}, TypeError, r"got True of type bool"),
+        (
+            {"max_memory": "1GiB", "chunk_size": 8},
+            ValueError,
+            r"chunk_size=8 and max_memory='1GiB' were both given; pass one of them",
+        ),
+    ],
+)
+def test_bad_max_memory(kwargs, error, match):
+    actor = normal_actor()
+    data = make_data(actor, (10,))
+    before = data.clone()
+    with pytest.raises(error, match=match):
+        chunked_log_prob(actor, data, **kwargs)
+    assert_unchanged(data, before)

@@ -14,6 +14,7 @@ object with ``tensor_keys.sample_log_prob``).
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeAlias
@@ -23,7 +24,7 @@ import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import ProbabilisticTensorDictModule, ProbabilisticTensorDictSequential
 
-__all__ = ["chunked_log_prob"]
+__all__ = ["chunked_log_prob", "default_max_memory"]
 
 # Declared as an alias: type checkers then resolve ``actor``'s type in the public signature
 # (an undeclared ``X | Y`` of classes they cannot see is read as a variable, not a type).
@@ -48,6 +49,105 @@ def _check_chunk_size(chunk_size: Any) -> int:
             "the actor may process at once, e.g. chunk_size=8192"
         )
     return size
+
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_MEMORY = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+
+#: Elements in the first chunk of a memory-budgeted call, from which the bytes per element
+#: are measured (smaller when the batch is).
+PROBE_ELEMENTS = 256
+
+#: The default budget on the host (and on accelerators whose free memory torch cannot tell).
+HOST_BUDGET = 2**30
+
+
+def _check_max_memory(max_memory: Any) -> int:
+    """Bytes from an int (or integer scalar) or a string such as ``"1GiB"`` / ``"512 MB"``."""
+    if isinstance(max_memory, str):
+        match = _MEMORY.fullmatch(max_memory)
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _UNITS | {"": 1}:
+            raise ValueError(
+                f"max_memory={max_memory!r} is not a memory size; pass a number of bytes or a "
+                "string made of a number and one of the units B, kB, MB, GB, TB, KiB, MiB, "
+                "GiB, TiB, e.g. max_memory='1GiB'"
+            )
+        size = int(float(match.group(1)) * _UNITS.get(unit, 1))
+    else:
+        try:
+            if isinstance(max_memory, bool):
+                raise TypeError
+            size = operator.index(max_memory)
+        except TypeError:
+            raise TypeError(
+                f"max_memory must be a number of bytes (int) or a string such as '1GiB', got "
+                f"{max_memory!r} of type {type(max_memory).__name__}; pass e.g. "
+                "max_memory='1GiB' or max_memory=2**30"
+            ) from None
+    if size < 1:
+        raise ValueError(
+            f"max_memory must be at least 1 byte, got {max_memory!r}; pass the extra memory "
+            "the actor may use at once, e.g. max_memory='1GiB'"
+        )
+    return size
+
+
+def default_max_memory(device: torch.device | str | None) -> int:
+    """The memory budget ``chunked_log_prob`` uses when given neither size.
+
+    On a CUDA device: a quarter of its free memory (``torch.cuda.mem_get_info``), so a batch
+    that fits comfortably is one or a few chunks, at one-shot speed. Elsewhere (the host, or
+    ``device=None``): 1 GiB (:data:`HOST_BUDGET`). O(1).
+
+    Args:
+        device: The device of the data.
+
+    Example:
+        >>> default_max_memory("cpu") == 2**30
+        True
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, free // 4)
+    return HOST_BUDGET
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor) and not is_tensor_collection(value):
+        return value.numel() * value.element_size()
+    if is_tensor_collection(value):
+        return 0  # TensorDicts carry their inputs along: their new leaves are counted below
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+@contextmanager
+def _counting_outputs(actor: torch.nn.Module) -> Iterator[list[int]]:
+    """Sum the bytes of the tensors every submodule returns while the block runs."""
+    total = [0]
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        total[0] += _tensor_bytes(output)
+
+    handles = [module.register_forward_hook(hook) for module in actor.modules()]
+    try:
+        yield total
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _as_key_list(keys: NestedKey | Sequence[NestedKey]) -> list[NestedKey]:
@@ -195,13 +295,61 @@ def _chunk_log_probs(
     return [lp.get(k) for k in lp_keys]
 
 
+def _check_sizes(chunk_size: Any, max_memory: Any) -> tuple[int | None, int | None]:
+    """``(chunk_size, budget in bytes)``: one of them, or neither (the default budget)."""
+    if chunk_size is not None and max_memory is not None:
+        raise ValueError(
+            f"chunk_size={chunk_size!r} and max_memory={max_memory!r} were both given; pass "
+            "one of them: chunk_size fixes the number of elements per call, max_memory chooses "
+            "it from a memory budget"
+        )
+    if chunk_size is not None:
+        return _check_chunk_size(chunk_size), None
+    if max_memory is not None:
+        return None, _check_max_memory(max_memory)
+    return None, None
+
+
+def _chunked(
+    actor: ProbabilisticActorLike,
+    flat: TensorDictBase,
+    lp_keys: list[NestedKey],
+    rows: int,
+    budget: int | None,
+) -> list[torch.Tensor]:
+    """The log-probs of ``flat``'s rows, ``rows`` at a time, into pre-allocated outputs.
+
+    With ``budget``, the first chunk measures the bytes per row (:func:`_counting_outputs`)
+    and sets ``rows`` for the others. O(rows of ``flat``).
+    """
+    outputs: list[torch.Tensor] = []
+    n_rows = flat.batch_size[0]
+    start = 0
+    while start < n_rows:
+        stop = min(start + rows, n_rows)
+        if budget is not None and not outputs:
+            with _counting_outputs(actor) as produced:
+                results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
+            used = produced[0] + sum(map(_tensor_bytes, results))
+            rows = max(1, budget * (stop - start) // used) if used else n_rows
+        else:
+            results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
+        if not outputs:
+            outputs = [r.new_empty((n_rows, *r.shape[1:])) for r in results]
+        for out, r in zip(outputs, results, strict=True):
+            out[start:stop] = r
+        start = stop
+    return outputs
+
+
 def chunked_log_prob(
     actor: ProbabilisticActorLike,
     data: TensorDictBase,
     *,
-    chunk_size: int,
+    chunk_size: int | None = None,
     out_key: NestedKey | Sequence[NestedKey] | Any | None = None,
     sequential: bool | None = None,
+    max_memory: int | str | None = None,
 ) -> torch.Tensor | TensorDictBase:
     """Log-probability of the stored actions under the actor's current parameters, in chunks.
 
@@ -228,8 +376,19 @@ def chunked_log_prob(
     ``Linear``/``softplus`` actor on our CPU; categorical and composite actors came out
     bit-identical). Each chunk equals the actor's own output on that chunk bit for bit.
 
-    Complexity: O(batch) time, like the one-shot call; peak extra memory O(chunk_size) for the
-    actor's activations and distribution parameters, plus the O(batch) output itself.
+    The chunk size is given (``chunk_size``) or chosen from a memory budget (``max_memory``,
+    the default): the first chunk, of :data:`PROBE_ELEMENTS` elements (whole sequences for a
+    sequential actor), is computed while forward hooks add up the bytes of every tensor each
+    submodule returns, plus the log-probs themselves; that sum, an upper bound of what the
+    chunk held at once under ``no_grad`` (distribution temporaries aside), divided by the
+    chunk's rows, gives the bytes per row, and the remaining chunks hold
+    ``max_memory // bytes_per_row`` rows (at least one row, one whole sequence). With neither
+    argument the budget is :func:`default_max_memory`: a quarter of the free memory of a CUDA
+    ``data.device``, 1 GiB on the host.
+
+    Complexity: O(batch) time, like the one-shot call; peak extra memory O(chunk_size) (about
+    ``max_memory``) for the actor's activations and distribution parameters, plus the O(batch)
+    output itself.
 
     Args:
         actor: A probabilistic actor: TorchRL ``ProbabilisticActor`` or tensordict
@@ -238,6 +397,7 @@ def chunked_log_prob(
         data: TensorDict holding the actor's inputs and the stored actions under the actor's
             ``dist_sample_keys``. Only the log-prob entries are written; nothing else changes.
         chunk_size: Largest number of (flattened) batch elements passed to the actor at once.
+            ``None`` (default): chosen from ``max_memory``.
         out_key: Where to write. ``None`` (default): the actor's ``log_prob_keys``, which is what
             ``ClipPPOLoss`` / ``KLPENPPOLoss`` built on this actor read. A PPO loss module: its
             ``tensor_keys.sample_log_prob``. Or a key / list of keys, one per log-prob key of the
@@ -247,6 +407,10 @@ def chunked_log_prob(
             when a submodule has a true ``recurrent_mode`` at call time. Pass ``True`` for other
             sequence models (temporal convolutions, attention over time), ``False`` to treat
             every batch element as independent.
+        max_memory: Memory budget for one chunk's activations and results, in bytes or as a
+            string (``"1GiB"``, ``"512MB"``: units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB).
+            ``None`` (default, without ``chunk_size``): :func:`default_max_memory`. Not with
+            ``chunk_size``.
 
     Returns:
         The log-probabilities (a tensor with leading dims ``data.batch_size``) for a single
@@ -254,10 +418,12 @@ def chunked_log_prob(
         Nothing returned or written requires grad.
 
     Raises:
-        TypeError: ``chunk_size`` is not an int, ``actor`` is not probabilistic, ``data`` is not a
-            TensorDict, or ``out_key`` or ``sequential`` has the wrong type.
-        ValueError: ``chunk_size`` < 1, ``out_key`` names the wrong number of keys, or a
-            sequence (the last batch dim, for a sequential actor) is longer than
+        TypeError: ``chunk_size`` is not an int, ``max_memory`` neither an int nor a string,
+            ``actor`` is not probabilistic, ``data`` is not a TensorDict, or ``out_key`` or
+            ``sequential`` has the wrong type.
+        ValueError: ``chunk_size`` < 1, ``max_memory`` not a size or below 1 byte, both
+            ``chunk_size`` and ``max_memory`` given, ``out_key`` names the wrong number of
+            keys, or a sequence (the last batch dim, for a sequential actor) is longer than
             ``chunk_size``.
         KeyError: a stored action is missing from ``data``.
         In every case ``data`` is left unchanged.
@@ -283,12 +449,14 @@ def chunked_log_prob(
         >>> with torch.no_grad():
         ...     torch.testing.assert_close(lp, actor.log_prob(data.copy()))
     """
-    chunk_size = _check_chunk_size(chunk_size)
+    chunk_size, budget = _check_sizes(chunk_size, max_memory)
     sequential = _check_sequential(sequential)
     _check_actor(actor)
     out_keys = _resolve_out_keys(out_key, actor)
     action_keys = _validate(actor, data, out_keys)
     lp_keys = list(actor.log_prob_keys)
+    if chunk_size is None and budget is None:
+        budget = default_max_memory(data.device)
 
     batch_size = data.batch_size
     numel = batch_size.numel()
@@ -300,9 +468,16 @@ def chunked_log_prob(
     # Shallow selection of what the actor reads: the actor's intermediate outputs go into
     # per-chunk TensorDicts, never into ``data``.
     src = data.select(*actor.in_keys, *action_keys, strict=False)
-    one_call = numel == 0 or len(batch_size) == 0 or (sequential and numel <= chunk_size)
+    if chunk_size is not None:
+        one_call = numel == 0 or len(batch_size) == 0 or (sequential and numel <= chunk_size)
+    else:  # one sequence that cannot be cut is one call, whatever the budget
+        one_call = numel == 0 or len(batch_size) == 0 or (sequential and len(batch_size) == 1)
     if not one_call:
-        steps, rows = _rows_per_chunk(batch_size, chunk_size, sequential, why)
+        if chunk_size is not None:
+            steps, rows = _rows_per_chunk(batch_size, chunk_size, sequential, why)
+        else:  # a first, small chunk measures the bytes per row; the budget gives the rest
+            steps = batch_size[-1] if sequential else 1
+            rows = max(1, PROBE_ELEMENTS // steps)
         # Independent elements: [numel]. Sequences: [num_sequences, time], time kept whole.
         shape = (numel // steps, steps) if sequential else (numel,)
         flat = src if src.batch_size == shape else src.reshape(*shape)
@@ -314,14 +489,7 @@ def chunked_log_prob(
             # sequences kept whole): the one-shot call itself, on ``data``'s own shape.
             outputs = _chunk_log_probs(actor, src, lp_keys)
         else:
-            n_rows = flat.batch_size[0]
-            for start in range(0, n_rows, rows):
-                stop = min(start + rows, n_rows)
-                results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
-                if not outputs:
-                    outputs = [r.new_empty((n_rows, *r.shape[1:])) for r in results]
-                for out, r in zip(outputs, results, strict=True):
-                    out[start:stop] = r
+            outputs = _chunked(actor, flat, lp_keys, rows, budget)
 
     if one_call:
         shaped = outputs

@@ -188,8 +188,11 @@ class PathChoice:
             self.__dict__["_fr_sample_unit"] = unit
 
     # ------------------------------------------------------------------ common conditions
-    def _fr_plain(self) -> TensorStorage | None:
+    def _fr_plain(self, staged: bool = False) -> TensorStorage | None:
         """The storage if the buffer is in the common set-up (both directions), else None.
+
+        ``staged``: the set-up of a sample gathered into pinned memory inside ``_sample``
+        (:meth:`PinnedSamples._sample`): pinning, ``device`` and ``prefetch`` are allowed.
 
         O(1): about twenty attribute checks, decided afresh on every call (the conformance
         tests switch set-ups between calls). Optional attributes are read from the instance
@@ -207,7 +210,7 @@ class PathChoice:
             type(storage) not in TENSOR_STORAGES
             or type(writer) is not TensorDictRoundRobinWriter
             or state.get("shared", True)
-            or state.get("_prefetch", True)
+            or (state.get("_prefetch", True) and not staged)
             or state.get("_dim_extend") != 0
             or (
                 state.get("_fr_sample_unit") is not None
@@ -215,8 +218,8 @@ class PathChoice:
             )
             or state.get("_collate_fn") is not _collate_id
             or not state.get("_sync", True)
-            or state.get("_fr_pinning", False)
-            or state.get("_fr_device") is not None
+            or (not staged and state.get("_fr_pinning", False))
+            or (not staged and state.get("_fr_device") is not None)
             or not (transform is None or _empty_compose(transform))
             or _consuming(type(state.get("_sampler")))
         ):
@@ -576,9 +579,13 @@ class PathChoice:
                 return self._fr_locked_sample(storage, batch_size)
 
     def _fr_locked_sample(
-        self, storage: TensorStorage, batch_size: int
+        self, storage: TensorStorage, batch_size: int, alloc: _rows.Alloc | None = None
     ) -> tuple[Any, dict, bool] | None:
-        """:meth:`_fr_fast_sample` once the checks passed and the buffer's locks are held."""
+        """:meth:`_fr_fast_sample` once the checks passed and the buffer's locks are held.
+
+        ``alloc``: where the gathered leaves go (:func:`~fastreplay.buffers.rows.gather_rows`);
+        the metadata is then left to the caller (``written`` is false).
+        """
         sampler = self._sampler
         plan = _rows.gather_plan(storage._storage)
         if plan is None:
@@ -618,10 +625,12 @@ class PathChoice:
             data = self._fr_general_get(storage, index)
             return Bookkeeping.named(sampler, data), info, False
         extra = info
-        if type(index) is tuple:  # as TensorDictReplayBuffer.sample writes it: stacked
+        if alloc is not None:
+            extra = None
+        elif type(index) is tuple:  # as TensorDictReplayBuffer.sample writes it: stacked
             extra = {**info, "index": torch.stack(index, -1)}
-        data, written = _rows.gather_rows(plan, rows, length.value, extra, run)
-        return Bookkeeping.named(sampler, data), info, written
+        data, written = _rows.gather_rows(plan, rows, length.value, extra, run, alloc)
+        return Bookkeeping.named(sampler, data), info, written and alloc is None
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
         """TorchRL's read, for a sampler result the direct gather does not cover."""

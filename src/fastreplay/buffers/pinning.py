@@ -20,13 +20,21 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from tensordict import is_tensor_collection
 
-__all__ = ["leaves_to_pin", "move_tree", "pin_tree", "pinning_available"]
+__all__ = [
+    "leaves_to_pin",
+    "move_tree",
+    "pin_tree",
+    "pinned_empty",
+    "pinning_available",
+    "side_stream",
+]
 
 
 def pinning_available() -> bool:
@@ -49,6 +57,28 @@ def pinning_available() -> bool:
 def _pin_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The single place that pins: a page-locked copy of a host tensor."""
     return tensor.pin_memory()
+
+
+def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The single place that allocates pinned memory for a gather to write into."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised page-locked host tensor, for a gather to write into (``out=``).
+
+    Memory comes from torch's caching host allocator: a block freed by an earlier sample of
+    the same size is reused, and a block that fed a non-blocking copy to a device is only
+    handed out again once that copy has finished (torch records an event on the block when the
+    copy is queued). fastreplay never reuses a pinned tensor itself, so a pinned sample
+    returned to the user is never written again under them. Needs an accelerator. O(1)
+    (amortised; the first allocation of a size pins fresh pages).
+
+    Args:
+        shape: Shape of the tensor.
+        dtype: Its dtype.
+    """
+    return _pinned_empty(shape, dtype)
 
 
 def _is_pinned(tensor: torch.Tensor) -> bool:
@@ -171,3 +201,46 @@ def move_tree(tree: Any, device: torch.device) -> Any:
     if is_tensor_collection(tree):
         return tree.to(device, non_blocking=non_blocking)
     return _map_tree(tree, lambda tensor: tensor.to(device, non_blocking=non_blocking))
+
+
+_SIDE = threading.local()
+
+
+def side_stream(device: torch.device) -> Any:
+    """This thread's own CUDA stream on ``device`` for sample copies (created on first use).
+
+    A prefetch thread queues its copies there instead of on the default stream, so the copy of
+    the next batch runs while the training loop's kernels run on theirs; the consumer waits on
+    an event recorded after the copies (:func:`wait_ready`). ``None`` off CUDA. O(1).
+
+    Args:
+        device: The device the copies go to.
+    """
+    if device.type != "cuda":
+        return None
+    streams = getattr(_SIDE, "streams", None)
+    if streams is None:
+        streams = _SIDE.streams = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = streams.get(index)
+    if stream is None:
+        stream = streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def wait_ready(tree: Any, event: Any, device: torch.device) -> None:
+    """Make the caller's current stream wait for ``event`` and own ``tree``'s device tensors.
+
+    ``record_stream`` tells the caching allocator that the caller's stream uses memory that
+    was allocated on a side stream, so it is not reused before that stream is done with it.
+    O(number of leaves).
+    """
+    current = torch.cuda.current_stream(device)
+    current.wait_event(event)
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cuda":
+            tensor.record_stream(current)
+        return tensor
+
+    _map_tree(tree, own)

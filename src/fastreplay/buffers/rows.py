@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +58,9 @@ _PLAIN_TENSORS = (torch.Tensor, MemoryMappedTensor)
 Plan = tuple[torch.Size, Any, list[tuple[str, Any]], bool]
 
 _NO_REST = torch.Size([])
+
+# Makes the tensor a gather writes into: (shape, dtype) -> uninitialised tensor.
+Alloc = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 
 def write_pairs(
@@ -185,6 +189,7 @@ def gather_rows(
     stored: int,
     extra: dict | None = None,
     run: int | None = None,
+    alloc: Alloc | None = None,
 ) -> tuple[TensorDict, bool]:
     """The rows ``index`` of the planned storage, as ``storage[:stored][index]`` returns them.
 
@@ -204,6 +209,9 @@ def gather_rows(
             values are tensors on the level's device (the CPU if it has none) whose leading
             dimensions are the level's batch size. If one entry does not fit that, none is set.
         run: Length of the runs ``index`` may be made of (checked; ``None``: row by row).
+        alloc: Where the gathered leaves go: called with the shape and dtype of each, it
+            returns an uninitialised tensor the ``index_select`` writes into (``out=``), e.g.
+            pinned host memory; ``None``: new tensors.
 
     Returns:
         The sample, and whether the entries of ``extra`` were set.
@@ -214,18 +222,31 @@ def gather_rows(
     head = index.shape  # 1-D: torch.Size([len(index)])
     starts = _run_starts(index, run, stored) if run is not None else None
     if starts is None and plan[3]:
-        data = _gather_flat(plan, index, stored, head, extra)
+        data = _gather_flat(plan, index, stored, head, extra, alloc)
         if data is not None:
             return data, True
     put: dict = {}
     complete = not extra or _place(plan, head, extra, put)
     if not complete:
         put = {}
-    return _gather_level(plan, index, stored, head, put, starts, run), complete
+    return _gather_level(plan, index, stored, head, put, starts, run, alloc), complete
+
+
+def _select(source: torch.Tensor, index: torch.Tensor, alloc: Alloc | None) -> torch.Tensor:
+    """``torch.index_select(source, 0, index)``, into ``alloc``'s tensor when given."""
+    if alloc is None:
+        return torch.index_select(source, 0, index)
+    out = alloc(index.shape + source.shape[1:], source.dtype)
+    return torch.index_select(source, 0, index, out=out)
 
 
 def _gather_flat(
-    plan: Plan, index: torch.Tensor, stored: int, head: torch.Size, extra: dict | None
+    plan: Plan,
+    index: torch.Tensor,
+    stored: int,
+    head: torch.Size,
+    extra: dict | None,
+    alloc: Alloc | None = None,
 ) -> TensorDict | None:
     """:func:`gather_rows` for a flat plan, row by row, if every ``extra`` entry fits; else None.
 
@@ -253,7 +274,7 @@ def _gather_flat(
             out[key] = value
         else:
             source = leaf if leaf.shape[0] == stored else leaf.narrow(0, 0, stored)
-            out[key] = torch.index_select(source, 0, index)
+            out[key] = _select(source, index, alloc)
     for key, value in extra.items():
         if key not in out:
             out[key] = value
@@ -336,6 +357,7 @@ def _gather_level(
     put: dict,
     starts: torch.Tensor | None,
     run: int | None,
+    alloc: Alloc | None = None,
 ) -> TensorDict:
     rest, device, entries = plan[0], plan[1], plan[2]
     out = _StringOnlyDict()
@@ -344,11 +366,11 @@ def _gather_level(
         if value is not None and type(value) is not dict:
             out[key] = value
         elif type(leaf) is tuple:
-            out[key] = _gather_level(leaf, index, stored, head, value or {}, starts, run)
+            out[key] = _gather_level(leaf, index, stored, head, value or {}, starts, run, alloc)
         else:
             source = leaf if leaf.shape[0] == stored else leaf.narrow(0, 0, stored)
             if starts is None:
-                out[key] = torch.index_select(source, 0, index)
+                out[key] = _select(source, index, alloc)
             else:  # windows of ``run`` rows starting at every row; one pick per run
                 step = source.stride()
                 windows = source.as_strided(
@@ -356,7 +378,7 @@ def _gather_level(
                     (step[0], *step),
                     source.storage_offset(),
                 )
-                picked = torch.index_select(windows, 0, starts)
+                picked = _select(windows, starts, alloc)
                 out[key] = picked.view(head + source.shape[1:])
     for key, value in put.items():
         if key not in out:

@@ -152,7 +152,8 @@ class PinnedSamples:
         """The device samples are moved to, or ``None`` to keep them on the storage's device."""
         return self._fr_device
 
-    def _finish(self, data: Any, info: Any) -> tuple[Any, Any]:
+    def _finish(self, data: Any, info: Any, prefetching: bool = False) -> tuple[Any, Any]:
+        """Pin and move a sample built by ``_sample`` (``prefetching``: maybe in a thread)."""
         device = self._fr_device
         if device is not None and device.type == "cpu":
             # From a storage on an accelerator: bring it over first, then pin what arrived.
@@ -162,17 +163,52 @@ class PinnedSamples:
             data, info = pinning.pin_tree((data, info))
         if device is not None:
             # To an accelerator: pinned first, so the copy does not block.
-            data = pinning.move_tree(data, device)
+            stream = pinning.side_stream(device) if prefetching else None
+            if stream is None:
+                data = pinning.move_tree(data, device)
+            else:  # a prefetching thread: its own stream, and an event the consumer waits on
+                with torch.cuda.stream(stream):
+                    data = pinning.move_tree(data, device)
+                    if isinstance(info, dict):
+                        info[_READY] = stream.record_event()
         return data, info
 
+    def _fr_staged_read(self, batch_size: int) -> tuple[Any, dict] | None:
+        """TorchRL's ``_sample`` read, gathered straight into pinned memory, or ``None``.
+
+        In the common set-up (a host ``TensorStorage``, no transform, the direct path's
+        conditions apart from pinning, ``device`` and ``prefetch``), each leaf is gathered by
+        one ``index_select`` into pinned memory (:func:`~fastreplay.buffers.pinning.
+        pinned_empty`): one host copy per leaf, where reading then pinning makes two. The
+        sampler runs as in TorchRL's ``_sample``, under the same locks.
+        O(batch x row size + leaves).
+        """
+        plain = getattr(self, "_fr_plain", None)
+        if not self._fr_pinning or plain is None:
+            return None
+        storage = plain(staged=True)
+        if storage is None:
+            return None
+        with self._replay_lock, self._write_lock:  # type: ignore[attr-defined]
+            result = self._fr_locked_sample(  # type: ignore[attr-defined]
+                storage, batch_size, pinning.pinned_empty
+            )
+        if result is None:
+            return None
+        return result[0], result[1]
+
     def _sample(self, batch_size: int) -> tuple[Any, dict]:
-        data, info = super()._sample(batch_size)  # type: ignore[misc]
+        staged = self._fr_staged_read(batch_size)
+        if staged is not None:
+            data, info = staged
+        else:
+            data, info = super()._sample(batch_size)  # type: ignore[misc]
         if not is_tensor_collection(data) or is_tensorclass(data):
-            return self._finish(data, info)
+            return self._finish(data, info, bool(self.__dict__.get("_prefetch")))
         data, info[_SHADOWED] = write_info(data, info)
         # ``info[_SHADOWED]``: what undoes the writes, for ``sample(include_info=False)``
         # (popped there); its presence marks the metadata as written.
-        return self._finish(data, info)
+        return self._finish(data, info, bool(self.__dict__.get("_prefetch")))
 
     def sample(
         self,
@@ -208,6 +244,10 @@ class PinnedSamples:
         # ``sample``: the metadata is written (and pinned) in ``_sample`` already, where
         # TorchRL's would overwrite it. Every base before it runs as usual.
         data, info = super(_TorchRLBuffer, self).sample(batch_size, return_info=True, **kwargs)  # type: ignore[misc]
+        ready = info.pop(_READY, None)
+        if ready is not None and self._fr_device is not None:
+            # copied on a prefetch thread's stream: the caller's stream waits for it here
+            pinning.wait_ready(data, ready, self._fr_device)
         written = _SHADOWED in info
         shadowed = info.pop(_SHADOWED, None)
         is_tc = is_tensor_collection(data)
@@ -246,6 +286,8 @@ class PinnedSamples:
 
 
 _SHADOWED = "_fastreplay_shadowed"
+# In ``info`` between a prefetch thread and ``sample``: the event after the copies to ``device``.
+_READY = "_fastreplay_ready"
 
 
 def write_info(data: Any, info: dict) -> tuple[Any, Any]:
@@ -292,9 +334,14 @@ def write_info(data: Any, info: dict) -> tuple[Any, Any]:
 def upstream_form(result: Any) -> Any:
     """A queued ``(data, info)`` of :meth:`PinnedSamples._sample` as TorchRL queues it."""
     info = result[1]
-    if not isinstance(info, dict) or _SHADOWED not in info:
+    if not isinstance(info, dict) or (_SHADOWED not in info and _READY not in info):
         return result
     info = dict(info)
+    ready = info.pop(_READY, None)
+    if ready is not None:
+        ready.synchronize()  # the copies into ``result[0]`` are complete before it is saved
+    if _SHADOWED not in info:
+        return result[0], info
     return unwrite_info(result[0], info.pop(_SHADOWED)), info
 
 
