@@ -11,9 +11,10 @@ report. To keep the ratios honest on a machine that other processes share:
   after every scenario, and the table flags the scenarios that ran on a busy machine.
 
 ``python -m benchmarks --help`` never imports torch: scenario options, and the checks of values
-that must fit together, are read from the scenario modules' source (see :func:`scenario_specs`),
-and the modules are imported only to run. Every value is checked before anything runs
-(:func:`parse_arguments`): a bad one is a usage error (exit code 2) naming the option.
+that must fit together, come from the registry :mod:`benchmarks.scenarios` and the torch-free
+:mod:`benchmarks.arguments`; a scenario's module is imported only to run. Every value is checked
+before anything runs (:func:`parse_arguments`): a bad one is a usage error (exit code 2) naming
+the option.
 
 A scenario that cannot measure anything here raises :class:`NotMeasured` with the reason; it is
 reported as "not measured", never as timed on a busy machine. With the output redirected (not a
@@ -21,12 +22,8 @@ terminal), TorchRL's INFO log lines and progress bars are left out; see :func:`p
 """
 
 from __future__ import annotations
-import __future__
 
 import argparse
-import ast
-import builtins
-import dis
 import gc
 import importlib
 import importlib.util
@@ -35,169 +32,40 @@ import logging
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from types import CodeType, FunctionType, ModuleType
+from types import ModuleType
 from typing import Any
 
 from benchmarks import report
+from benchmarks.arguments import CountError as CountError
+from benchmarks.arguments import check_sizes as check_sizes
+from benchmarks.arguments import choice_list as choice_list
+from benchmarks.arguments import count_text as count_text
+from benchmarks.arguments import counts_text as counts_text
+from benchmarks.arguments import fmt_count as fmt_count
+from benchmarks.arguments import non_negative_int as non_negative_int
+from benchmarks.arguments import parse_count as parse_count
+from benchmarks.arguments import parse_counts as parse_counts
+from benchmarks.arguments import positive_int as positive_int
+from benchmarks.arguments import positive_seconds as positive_seconds
+from benchmarks.arguments import seed_int as seed_int
+from benchmarks.arguments import sizes_and_capacity as sizes_and_capacity
 from benchmarks.results import NotMeasured as NotMeasured
 from benchmarks.results import Result as Result
 from benchmarks.results import fmt_load as fmt_load
 from benchmarks.results import fmt_ratio as fmt_ratio
 from benchmarks.results import ratio as ratio
+from benchmarks.scenarios import SCENARIOS
+from benchmarks.scenarios import Scenario as Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
-
-_SUFFIX = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}
-_COUNT = re.compile(r"^(\d+(?:\.\d+)?)([kKMG]?)$")
-
-
-class CountError(argparse.ArgumentTypeError, ValueError):
-    """A count that does not parse (raised by :func:`parse_count`; argparse prints it)."""
-
-
-def parse_count(text: str | int) -> int:
-    """Parse ``"6M"``, ``"346M"``, ``"1_000"`` or ``"10k"`` into an int (ints pass through).
-
-    Raises:
-        CountError: (a ``ValueError`` and an ``argparse.ArgumentTypeError``) for anything else.
-    """
-    if isinstance(text, int):
-        return text
-    match = _COUNT.match(text.strip().replace("_", ""))
-    if match is None:
-        raise CountError(
-            f"{text!r} is not a count: write digits with an optional k, M or G suffix "
-            "(1000, 10k, 6M, 1.5G)"
-        )
-    value = float(match[1]) * _SUFFIX.get(match[2], 1)
-    if value != int(value):
-        raise CountError(f"{text!r} is not a whole number of items")
-    return int(value)
-
-
-def parse_counts(text: str) -> list[int]:
-    """Parse a comma-separated list of counts (``"6M,600M"``)."""
-    counts = [parse_count(t) for t in text.split(",") if t.strip()]
-    if not counts:
-        raise CountError(f"{text!r}: give at least one count (e.g. 1M or 1M,10M)")
-    return counts
-
-
-def positive_int(text: str) -> int:
-    """Argparse ``type=``: a count of at least 1 (suffixes allowed: ``10k``)."""
-    value = parse_count(text)
-    if value < 1:
-        raise CountError(f"{text!r}: must be at least 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """Argparse ``type=``: a count of at least 0 (suffixes allowed: ``10k``)."""
-    return parse_count(text)
-
-
-def seed_int(text: str) -> int:
-    """Argparse ``type=``: a seed torch accepts, 0 to 2**64 - 1."""
-    value = parse_count(text)
-    if value >= 2**64:
-        raise CountError(f"{text!r}: a seed must be below 2**64 (18446744073709551616)")
-    return value
-
-
-def count_text(text: str) -> str:
-    """Argparse ``type=``: a count of at least 1, kept as written (``"6M"``)."""
-    positive_int(text)
-    return text
-
-
-def counts_text(text: str) -> str:
-    """Argparse ``type=``: comma-separated counts, each at least 1, none twice; kept as written."""
-    counts = parse_counts(text)
-    if min(counts) < 1:
-        raise CountError(f"{text!r}: every count must be at least 1, got {min(counts)}")
-    twice = sorted({fmt_count(n) for n in counts if counts.count(n) > 1})
-    if twice:
-        raise CountError(f"{text!r}: {', '.join(twice)} listed twice; give each count once")
-    return text
-
-
-def positive_seconds(text: str) -> float:
-    """Argparse ``type=``: a finite number of seconds above 0 (``5``, ``0.5``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a number of seconds above 0 (e.g. 5 or 0.5)"
-        )
-    return value
-
-
-def sizes_and_capacity(stored: str, capacity: str | None) -> tuple[list[int], int]:
-    """The stored sizes of ``"1M,5M"`` and the capacity: ``capacity``, or 1.2x the largest size."""
-    sizes = parse_counts(stored)
-    return sizes, parse_count(capacity) if capacity else int(1.2 * max(sizes))
-
-
-def check_sizes(prefix: str, stored: str, capacity: str | None, slice_len: int) -> list[str]:
-    """Problems of ``--<prefix>-stored`` and ``--<prefix>-capacity`` with strict slices.
-
-    Every stored size must fit in the capacity, and hold a whole slice of ``slice_len`` steps.
-    """
-    problems = []
-    sizes, slots = sizes_and_capacity(stored, capacity)
-    if max(sizes) > slots:
-        problems.append(
-            f"--{prefix}-stored {stored} exceeds --{prefix}-capacity {capacity}: store at most "
-            "the capacity (or leave the capacity out: 1.2x the largest size)"
-        )
-    if slice_len > min(sizes):
-        problems.append(
-            f"--{prefix}-slice-len {slice_len} is longer than the smallest --{prefix}-stored "
-            f"({fmt_count(min(sizes))}): no trajectory holds a whole slice"
-        )
-    return problems
-
-
-def choice_list(*choices: str) -> Callable[[str], str]:
-    """Argparse ``type=``: a comma-separated subset of ``choices``, each once, kept as written."""
-
-    def check(text: str) -> str:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: give a comma-separated list of {', '.join(choices)}"
-            )
-        twice = sorted({t for t in items if items.count(t) > 1})
-        if twice:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: {', '.join(twice)} listed twice; give each name once"
-            )
-        return text
-
-    check.__name__ = check.__qualname__ = f"choice_list({', '.join(choices)})"
-    return check
-
-
-def fmt_count(n: int) -> str:
-    """Format ``346_000_000`` as ``"346M"``."""
-    for suffix, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= scale and n % (scale // 1000 or 1) == 0:
-            value = n / scale
-            return f"{value:g}{suffix}"
-    return str(n)
 
 
 def _timed_calls(
@@ -458,119 +326,9 @@ def load_summary(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[st
 # --------------------------------------------------------------------------- scenarios
 
 
-@dataclass
-class ScenarioSpec:
-    """What ``--help`` and the argument checks need from a scenario, read without importing it."""
-
-    name: str
-    description: str
-    module: str
-    add_arguments: Callable[[Any], None]
-    check_arguments: Callable[[argparse.Namespace], list[str]] | None = None
-
-
-_LIGHT_MODULES = {"__future__", "benchmarks", "benchmarks.harness", "benchmarks.results"}
-
-
-def _light_import(node: ast.Import | ast.ImportFrom) -> bool:
-    if isinstance(node, ast.ImportFrom):
-        names = [node.module or ""] if node.level == 0 else ["<relative>"]
-    else:
-        names = [alias.name for alias in node.names]
-    return all(n in _LIGHT_MODULES or n.split(".")[0] in sys.stdlib_module_names for n in names)
-
-
-def _unresolved(fn: FunctionType, namespace: Mapping[str, Any]) -> set[str]:
-    """Global names that ``fn``, or a function of ``namespace`` it calls, needs but is missing."""
-    missing, seen = set(), set()
-    codes: list[CodeType] = [fn.__code__]
-    while codes:
-        code = codes.pop()
-        codes.extend(c for c in code.co_consts if isinstance(c, CodeType))
-        for instruction in dis.get_instructions(code):
-            name = instruction.argval
-            if instruction.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or name in seen:
-                continue
-            seen.add(name)
-            value = namespace.get(name, namespace)
-            if value is namespace:
-                if not hasattr(builtins, name):
-                    missing.add(name)
-            elif isinstance(value, FunctionType) and value.__globals__ is namespace:
-                codes.append(value.__code__)
-    return missing
-
-
-def _spec_from_source(module: str, path: Path) -> ScenarioSpec:
-    """Build a scenario's ``NAME``, ``DESCRIPTION``, ``add_arguments`` (and ``check_arguments``).
-
-    Only standard-library and harness imports, literal constants and undecorated functions are
-    executed (annotations are never evaluated), so torch and friends are not imported.
-
-    Raises:
-        LookupError: if the module does not define them in that form, or they need a name that
-            was left out; the caller then imports the module.
-    """
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    namespace: dict[str, Any] = {"__name__": module, "__file__": str(path)}
-    flags = __future__.annotations.compiler_flag
-    for node in tree.body:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            if not _light_import(node):
-                continue
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            try:
-                if node.value is not None:
-                    ast.literal_eval(node.value)
-            except Exception:  # not a literal (e.g. 1 << 23, torch.float32): leave it out
-                continue
-        elif not (isinstance(node, ast.FunctionDef) and not node.decorator_list):
-            continue
-        code = compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec", flags, True)
-        try:
-            exec(code, namespace)
-        except Exception:  # e.g. a default argument that needs torch: leave that one out
-            continue
-    name, description = namespace.get("NAME"), namespace.get("DESCRIPTION")
-    add_arguments = namespace.get("add_arguments")
-    check_arguments = namespace.get("check_arguments")
-    if not isinstance(name, str) or not isinstance(description, str) or add_arguments is None:
-        raise LookupError(f"{path}: NAME, DESCRIPTION or add_arguments not found as literals")
-    for fn in (add_arguments, check_arguments):
-        missing = _unresolved(fn, namespace) if fn is not None else ()
-        if missing:
-            raise LookupError(f"{path}: {fn.__name__} needs {sorted(missing)} from the module")
-    try:  # it must run on its own
-        add_arguments(argparse.ArgumentParser(add_help=False).add_argument_group("probe"))
-    except Exception as err:
-        raise LookupError(f"{path}: add_arguments needs the full module ({err!r})") from err
-    return ScenarioSpec(name, description, module, add_arguments, check_arguments)
-
-
-def scenario_specs() -> dict[str, ScenarioSpec]:
-    """Every scenario module of :mod:`benchmarks.scenarios`, by ``NAME``, without importing it.
-
-    A module whose ``NAME``/``DESCRIPTION``/``add_arguments`` cannot be read from its source
-    alone is imported instead (correct, only slower for ``--help``).
-    """
-    found = {}
-    for path in sorted(SCENARIO_DIR.glob("*.py")):
-        if path.name.startswith("_"):
-            continue
-        module = f"benchmarks.scenarios.{path.stem}"
-        try:
-            spec = _spec_from_source(module, path)
-        except (LookupError, SyntaxError):
-            real = importlib.import_module(module)
-            spec = ScenarioSpec(
-                real.NAME,
-                real.DESCRIPTION,
-                module,
-                real.add_arguments,
-                getattr(real, "check_arguments", None),
-            )
-        found[spec.name] = spec
-    return found
+def scenario_specs() -> dict[str, Scenario]:
+    """Every scenario of :data:`benchmarks.scenarios.SCENARIOS`, by name, in running order."""
+    return {scenario.name: scenario for scenario in SCENARIOS}
 
 
 def discover() -> dict[str, ModuleType]:
@@ -654,7 +412,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
-def build_parser(specs: Mapping[str, ScenarioSpec]) -> argparse.ArgumentParser:
+def build_parser(specs: Mapping[str, Scenario]) -> argparse.ArgumentParser:
     """The command line: harness options, then one group per scenario."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -718,7 +476,7 @@ def build_parser(specs: Mapping[str, ScenarioSpec]) -> argparse.ArgumentParser:
 
 
 def check_arguments(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, specs: Mapping[str, ScenarioSpec]
+    parser: argparse.ArgumentParser, args: argparse.Namespace, specs: Mapping[str, Scenario]
 ) -> None:
     """Check what each value's ``type=`` cannot: values that must fit together.
 
@@ -742,7 +500,7 @@ def check_arguments(
 
 
 def parse_arguments(
-    argv: list[str] | None = None, specs: Mapping[str, ScenarioSpec] | None = None
+    argv: list[str] | None = None, specs: Mapping[str, Scenario] | None = None
 ) -> argparse.Namespace:
     """Parse and check the command line; a usage error exits with code 2 before anything runs."""
     specs = scenario_specs() if specs is None else specs
@@ -752,9 +510,9 @@ def parse_arguments(
     return args
 
 
-def _describe(module: ModuleType) -> str:
-    baseline = getattr(module, "BASELINE", None)
-    return module.DESCRIPTION + (f" (vs {baseline})" if baseline else "")
+def _describe(scenario: Scenario) -> str:
+    baseline = scenario.baseline
+    return scenario.description + (f" (vs {baseline})" if baseline else "")
 
 
 def _case_line(r: Result) -> str:
@@ -797,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     with quiet_torchrl_log():
         for name in selected:
             module = modules[name]
-            print(f"\n== {name}: {module.DESCRIPTION}", flush=True)
+            print(f"\n== {name}: {specs[name].description}", flush=True)
             before = load_snapshot()
             try:
                 new = module.run(args)
@@ -843,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out / "results.png",
             env=env,
             loads=loads,
-            descriptions={n: _describe(m) for n, m in modules.items()},
+            descriptions={n: _describe(specs[n]) for n in modules},
         )
     print(
         f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}"

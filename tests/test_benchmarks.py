@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from benchmarks import harness, report
+from benchmarks import harness, report, scenarios
 from benchmarks.harness import (
     CountError,
     NotMeasured,
@@ -64,10 +64,10 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 
 def test_help_does_not_import_torch_and_shows_every_default() -> None:
     code = (
-        "import sys\n"
-        "from benchmarks.harness import main\n"
+        "import runpy, sys\n"
+        "sys.argv = ['benchmarks', '--help']\n"  # python -m benchmarks --help
         "try:\n"
-        "    main(['--help'])\n"
+        "    runpy.run_module('benchmarks', run_name='__main__', alter_sys=True)\n"
         "except SystemExit as exit:\n"
         "    assert exit.code == 0, exit.code\n"
         "heavy = sorted(m for m in ('torch', 'tensordict', 'torchrl', 'fastreplay', 'numpy')\n"
@@ -94,29 +94,20 @@ def test_every_option_is_explained_and_shows_its_default() -> None:
         assert "default" in formatter._get_help_string(action), f"{name} hides its default"
 
 
-def test_scenario_options_read_from_source_match_the_imported_modules() -> None:
-    """``--help`` reads options without importing; the real modules must give the same ones."""
-
-    def options(add_arguments) -> list[tuple]:
-        parser = argparse.ArgumentParser(add_help=False)
-        add_arguments(parser.add_argument_group("g"))
-        return [
-            (
-                tuple(a.option_strings),
-                a.default,
-                a.help,
-                getattr(a.type, "__qualname__", None),
-                a.choices,
-            )
-            for a in parser._actions
-        ]
-
+def test_registry_lists_every_scenario_module_once() -> None:
+    """Every module of ``benchmarks/scenarios`` is registered, runs, and carries its name."""
     specs = scenario_specs()
     assert {"slice", "prioritized", "ppo", "pin"} <= set(specs)
+    assert len({spec.module for spec in specs.values()}) == len(specs)
+    folder = Path(scenarios.__file__).parent
+    files = {f"benchmarks.scenarios.{p.stem}" for p in folder.glob("[!_]*.py")}
+    assert files == {spec.module for spec in specs.values()}
     for name, spec in specs.items():
         module = importlib.import_module(spec.module)
-        assert name == module.NAME and spec.description == module.DESCRIPTION
-        assert options(spec.add_arguments) == options(module.add_arguments), name
+        assert name == module.NAME and callable(module.run), name
+        # the registry and benchmarks.arguments are the one source of a scenario's options
+        for defined_twice in ("DESCRIPTION", "add_arguments", "check_arguments", "BASELINE"):
+            assert not hasattr(module, defined_twice), (name, defined_twice)
 
 
 @pytest.fixture
@@ -272,32 +263,6 @@ def test_every_option_has_a_checking_type_and_the_defaults_pass() -> None:
     assert {"scale-out"} <= checked
     for name in checked:
         assert specs[name].check_arguments(args) == [], name
-
-
-def test_argument_checks_are_read_from_source_without_importing_the_scenarios() -> None:
-    for path in sorted(harness.SCENARIO_DIR.glob("[!_]*.py")):
-        module = f"benchmarks.scenarios.{path.stem}"
-        spec = harness._spec_from_source(module, path)  # no LookupError: nothing left out
-        has_check = hasattr(importlib.import_module(module), "check_arguments")
-        assert (spec.check_arguments is not None) == has_check, path.name
-
-
-def test_a_check_needing_a_name_left_out_makes_the_harness_import_the_module(tmp_path) -> None:
-    source = tmp_path / "fake.py"
-    source.write_text(
-        "import torch\n"
-        "NAME = 'fake'\n"
-        "DESCRIPTION = 'a fake scenario'\n"
-        "LIMIT = 1 << 4\n"  # not a literal: left out when read from source
-        "def add_arguments(group):\n"
-        "    group.add_argument('--fake', type=int, default=1, help='x')\n"
-        "def _limit():\n"
-        "    return LIMIT\n"
-        "def check_arguments(args):\n"
-        "    return [] if args.fake <= _limit() else ['too big']\n"
-    )
-    with pytest.raises(LookupError, match=r"check_arguments needs \['LIMIT'\]"):
-        harness._spec_from_source("fake", source)
 
 
 def test_good_values_parse() -> None:

@@ -31,34 +31,16 @@ import fastreplay
 from benchmarks.harness import (
     NotMeasured,
     Result,
-    counts_text,
     fmt_count,
-    positive_int,
     progress,
 )
 from benchmarks.scenarios.prioritized_slice import interleaved_medians
 
 NAME = "her_streaming"
-DESCRIPTION = "HERReplayBuffer / StreamingSliceSampler sample and can_sample after extend(1000)"
 
 _CHUNK = 1 << 22
 _ROOM = 100_000  # rows left free for the online writes
 _SLICE = 32
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--hs-stored",
-        type=counts_text,
-        default="1M,10M",
-        help="items stored, comma-separated (e.g. 1M,10M,50M)",
-    )
-    group.add_argument(
-        "--hs-episode-len", type=positive_int, default=1000, help="steps per episode"
-    )
-    group.add_argument(
-        "--hs-batch", type=positive_int, default=256, help="transitions / slices per sample"
-    )
 
 
 def _her_data(steps: torch.Tensor, episode_len: int) -> TensorDict:

@@ -12,25 +12,10 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
-from benchmarks.harness import NotMeasured, Result, interleaved_seconds, positive_int
+from benchmarks.harness import NotMeasured, Result, interleaved_seconds
 from fastreplay import TensorDictReplayBuffer
 
 NAME = "pin"
-DESCRIPTION = "sample + copy to CUDA of uint8 pixel batches (needs CUDA; skipped without it)"
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--pin-batch", type=positive_int, default=256, help="samples per batch")
-    group.add_argument("--pin-size", type=positive_int, default=2048, help="items stored")
-    group.add_argument(
-        "--pin-shape", type=_shape, default="84x84x3", help="uint8 pixel shape per item, HxWxC"
-    )
-
-
-def _shape(text: str) -> str:
-    if not all(part.isdigit() and int(part) > 0 for part in text.split("x")):
-        raise argparse.ArgumentTypeError(f"{text!r}: write the shape as HxWxC, e.g. 84x84x3")
-    return text
 
 
 def _device_transform(td: TensorDict) -> TensorDict:

@@ -22,36 +22,12 @@ from benchmarks.harness import (
     Result,
     fmt_count,
     fmt_ratio,
-    non_negative_int,
-    positive_int,
     ratio,
 )
 
 NAME = "ppo"
-DESCRIPTION = "PPO old log-probs, 2x256 MLP policy, obs dim 64: peak RSS and time"
-BASELINE = "one-shot actor.log_prob"
 
 _ROOT = Path(__file__).resolve().parents[2]
-
-
-def add_arguments(group) -> None:
-    group.add_argument(
-        "--ppo-batch",
-        type=positive_int,
-        default="100k",
-        help="observations per batch (1M shows the memory gap best)",
-    )
-    group.add_argument(
-        "--ppo-chunk", type=positive_int, default=8192, help="chunk_size of chunked_log_prob"
-    )
-    group.add_argument(
-        "--ppo-threads",
-        type=non_negative_int,
-        default=None,
-        help="torch threads in both ppo processes (default: --threads; 0: torch's default). "
-        "Chunks run many more parallel regions than one big call, so with several threads on "
-        "cores that other processes use the chunked time suffers most",
-    )
 
 
 def _measure(mode: str, args, out: Path, *extra: str) -> dict:

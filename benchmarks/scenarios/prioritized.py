@@ -27,7 +27,6 @@ brute-force max, and sampled weights are finite.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import shutil
 import tempfile
@@ -40,8 +39,6 @@ from torchrl.data import PrioritizedSampler as TorchRLSampler
 
 from benchmarks.harness import (
     Result,
-    choice_list,
-    counts_text,
     fmt_count,
     interleaved_seconds,
     median_seconds,
@@ -52,50 +49,8 @@ from fastreplay import PrioritizedSampler
 from fastreplay._core.trees.interface import available_backends
 
 NAME = "prioritized"
-DESCRIPTION = "PrioritizedSampler: each PER call and the online step per backend, bulk, dumps"
 ALPHA, BETA = 0.7, 0.5
 CHUNK = 1_000_000
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--per-capacity",
-        type=counts_text,
-        default="1M,10M",
-        help="capacities for the per-call cases, the online step, the bulk update and "
-        "'lower the max' (e.g. 1M,10M,100M)",
-    )
-    group.add_argument(
-        "--per-backends",
-        type=choice_list("numba", "torch"),
-        default=None,
-        help="fastreplay tree backends to time, comma-separated (default: every one installed)",
-    )
-    group.add_argument(
-        "--per-dumps-capacity",
-        type=counts_text,
-        default="1M",
-        help="capacities for dumps+loads, comma-separated",
-    )
-
-
-def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Values the cases cannot run with."""
-    problems = []
-    small = [n for n in parse_counts(args.per_capacity) if n < 2]
-    if small:
-        problems.append(
-            f"--per-capacity {args.per_capacity}: 'lower the max item' moves the max below a "
-            "second item, so every capacity must be at least 2"
-        )
-    chosen = (args.per_backends or "").split(",")
-    selected = NAME in {t.strip() for t in args.only.split(",")}
-    if selected and "numba" in chosen and importlib.util.find_spec("numba") is None:
-        problems.append(
-            f"--per-backends {args.per_backends}: numba is not installed (pip install "
-            "numba); pass --per-backends torch"
-        )
-    return problems
 
 
 def _torchrl_ok() -> bool:

@@ -25,64 +25,18 @@ from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampl
 
 from benchmarks.harness import (
     Result,
-    check_sizes,
-    count_text,
-    counts_text,
     fmt_count,
     interleaved_seconds,
-    non_negative_int,
-    positive_int,
     progress,
     sizes_and_capacity,
 )
 from fastreplay import PrioritizedSliceSampler
 
 NAME = "prioritized_slice"
-DESCRIPTION = "PrioritizedSliceSampler: online step (extend 1000 + sample + update) and static"
 
 _CHUNK = 1 << 22
 _DONE = ("next", "done")
 _ALPHA, _BETA = 0.7, 0.5
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--pslice-stored",
-        type=counts_text,
-        default="1M",
-        help="items stored, comma-separated (e.g. 1M,5M,50M)",
-    )
-    group.add_argument(
-        "--pslice-capacity",
-        type=count_text,
-        default=None,
-        help="storage capacity (default: 1.2x the largest --pslice-stored)",
-    )
-    group.add_argument(
-        "--pslice-episode-len", type=positive_int, default=1000, help="steps per episode"
-    )
-    group.add_argument(
-        "--pslice-num-slices", type=positive_int, default=256, help="slices per sampled batch"
-    )
-    group.add_argument("--pslice-slice-len", type=positive_int, default=32, help="steps per slice")
-    group.add_argument(
-        "--pslice-skip-torchrl-online-above",
-        type=non_negative_int,
-        default="60M",
-        help="time TorchRL's online step only up to this many stored items",
-    )
-
-
-def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Values that do not fit together (the sampler's slices are strict: full length)."""
-    ep, slice_len = args.pslice_episode_len, args.pslice_slice_len
-    problems = check_sizes("pslice", args.pslice_stored, args.pslice_capacity, slice_len)
-    if slice_len > ep:
-        problems.append(
-            f"--pslice-slice-len {slice_len} is longer than --pslice-episode-len {ep}: no "
-            "episode holds a whole slice; pass a longer episode or a shorter slice"
-        )
-    return problems
 
 
 def interleaved_medians(fns: list[Callable[[], object]], repeats: list[int]) -> list[float]:

@@ -37,134 +37,27 @@ from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 
 import fastreplay
+from benchmarks.arguments import SCALE_STEP_LIMIT, SCALE_TRAJ_STRIDE, scale_slices
 from benchmarks.harness import (
     Result,
-    choice_list,
-    count_text,
-    counts_text,
     fmt_count,
-    non_negative_int,
     parse_count,
     parse_counts,
-    positive_int,
-    positive_seconds,
     progress,
 )
 
 NAME = "scale-out"
-DESCRIPTION = "N writer processes x 1 learner on a shared memmap storage (and Ray)"
 ALPHA, BETA = 0.7, 0.5
 _PREFILL_CHUNK = 1 << 20
-_TRAJ_STRIDE = 1_000_000_000  # trajectory ids of one writer: writer * stride + episode
-_STEP_LIMIT = 10_000  # obs = traj * _STEP_LIMIT + step in the episode
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--scale-writers", type=counts_text, default="1,2,4", help="writer process counts"
-    )
-    group.add_argument(
-        "--scale-kinds",
-        type=choice_list("prioritized", "slice"),
-        default="prioritized,slice",
-        help="learners to run, comma-separated: prioritized, slice",
-    )
-    group.add_argument(
-        "--scale-capacity", type=count_text, default="1M", help="prioritized: capacity (full)"
-    )
-    group.add_argument(
-        "--scale-slice-capacity", type=count_text, default="6M", help="slice: capacity"
-    )
-    group.add_argument(
-        "--scale-slice-stored", type=count_text, default="5M", help="slice: items prefilled"
-    )
-    group.add_argument(
-        "--scale-episode",
-        type=positive_int,
-        default=1000,
-        help=f"episode length, at most {_STEP_LIMIT:,}",
-    )
-    group.add_argument(
-        "--scale-seconds", type=positive_seconds, default=5.0, help="seconds per case"
-    )
-    group.add_argument(
-        "--scale-batch", type=positive_int, default=256, help="prioritized batch size"
-    )
-    group.add_argument(
-        "--scale-slices",
-        type=_slices_text,
-        default="256x32",
-        help="slice batch: SLICESxLENGTH, the length at most --scale-episode",
-    )
-    group.add_argument(
-        "--scale-write-rate",
-        type=non_negative_int,
-        default=0,
-        help="items/s per writer (default 0: as fast as the writer can)",
-    )
-    group.add_argument(
-        "--scale-ray", action="store_true", help="also run the workload through RayReplayBuffer"
-    )
-
-
-def _slices_text(text: str) -> str:
-    """Argparse ``type=``: ``SLICESxLENGTH`` (``256x32``), both at least 1; kept as written."""
-    parts = text.split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: write the slice batch as SLICESxLENGTH, both at least 1 (e.g. 256x32: "
-            "256 slices of 32 steps)"
-        )
-    return text
-
-
-def _slices(text: str) -> tuple[int, int]:
-    """``"256x32"`` -> ``(256, 32)``: slices per batch and steps per slice."""
-    num_slices, slice_len = (int(x) for x in text.split("x"))
-    return num_slices, slice_len
-
-
-def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Values that do not fit together."""
-    problems = []
-    episode, (_, slice_len) = args.scale_episode, _slices(args.scale_slices)
-    capacity, stored = parse_count(args.scale_slice_capacity), parse_count(args.scale_slice_stored)
-    if episode > _STEP_LIMIT:
-        problems.append(
-            f"--scale-episode {episode}: at most {_STEP_LIMIT} (each row's obs encodes its step "
-            "in the episode below that, and every sample is checked against it)"
-        )
-    if slice_len > episode:
-        problems.append(
-            f"--scale-slices {args.scale_slices}: slices of {slice_len} steps are longer than "
-            f"the episodes (--scale-episode {episode}); pass a length of at most {episode}"
-        )
-    if stored > capacity:
-        problems.append(
-            f"--scale-slice-stored {args.scale_slice_stored} exceeds --scale-slice-capacity "
-            f"{args.scale_slice_capacity}: prefill at most the capacity"
-        )
-    if slice_len > stored:
-        problems.append(
-            f"--scale-slices {args.scale_slices}: slices of {slice_len} steps are longer than "
-            f"the prefill (--scale-slice-stored {args.scale_slice_stored})"
-        )
-    prefill = max(stored, parse_count(args.scale_capacity))
-    if prefill // episode >= _TRAJ_STRIDE:
-        problems.append(
-            f"--scale-episode {episode}: a prefill of {fmt_count(prefill)} items makes more than "
-            f"{_TRAJ_STRIDE:,} episodes; pass longer episodes"
-        )
-    return problems
 
 
 def _episodes(writer: int, first_step: int, n: int, episode: int) -> TensorDict:
     """``n`` steps from global step ``first_step`` of ``writer``: obs = traj * 10_000 + step."""
     steps = torch.arange(first_step, first_step + n)
-    traj = writer * _TRAJ_STRIDE + steps // episode
+    traj = writer * SCALE_TRAJ_STRIDE + steps // episode
     return TensorDict(
         traj=traj,
-        obs=traj * _STEP_LIMIT + steps % episode,
+        obs=traj * SCALE_STEP_LIMIT + steps % episode,
         written=torch.ones(n, dtype=torch.bool),
         batch_size=[n],
     )
@@ -172,7 +65,7 @@ def _episodes(writer: int, first_step: int, n: int, episode: int) -> TensorDict:
 
 def _invalid(sample: TensorDict, slices: int | None) -> bool:
     obs, traj = sample["obs"].reshape(-1), sample["traj"].reshape(-1)
-    bad = not bool(sample["written"].all()) or not torch.equal(obs // _STEP_LIMIT, traj)
+    bad = not bool(sample["written"].all()) or not torch.equal(obs // SCALE_STEP_LIMIT, traj)
     if slices and not bad:
         rows = obs.view(slices, -1)
         bad = not bool((rows[:, 1:] - rows[:, :-1] == 1).all())
@@ -186,7 +79,7 @@ def _build(module: Any, kind: str, capacity: int, args: argparse.Namespace) -> A
             alpha=ALPHA, beta=BETA, storage=storage, batch_size=args.scale_batch,
             shared=True, sync=False,
         )  # fmt: skip
-    num_slices, slice_len = _slices(args.scale_slices)
+    num_slices, slice_len = scale_slices(args.scale_slices)
     return module.TensorDictReplayBuffer(
         storage=storage,
         sampler=module.SliceSampler(num_slices=num_slices, traj_key="traj"),
@@ -211,7 +104,7 @@ def _writer_loop(
 def _learner_step(rb: Any, kind: str) -> TensorDict:
     sample = rb.sample()
     if kind == "prioritized":
-        sample["td_error"] = (sample["obs"] % _STEP_LIMIT).float() / 1_000 + 0.01
+        sample["td_error"] = (sample["obs"] % SCALE_STEP_LIMIT).float() / 1_000 + 0.01
         rb.update_tensordict_priority(sample)
     return sample
 
@@ -279,7 +172,7 @@ def _sizes(kind: str, args: argparse.Namespace) -> tuple[int, int, int | None]:
     return (
         parse_count(args.scale_slice_capacity),
         parse_count(args.scale_slice_stored),
-        _slices(args.scale_slices)[0],
+        scale_slices(args.scale_slices)[0],
     )
 
 
@@ -358,7 +251,7 @@ def _run_ray(kind: str, args: argparse.Namespace) -> list[Result]:
             remote_config={"num_cpus": 1},
         )
     else:
-        num_slices, slice_len = _slices(args.scale_slices)
+        num_slices, slice_len = scale_slices(args.scale_slices)
         rb = RayReplayBuffer(
             replay_buffer_cls=fastreplay.TensorDictReplayBuffer,
             storage=functools.partial(LazyTensorStorage, capacity),

@@ -31,42 +31,17 @@ import fastreplay
 from benchmarks.harness import (
     NotMeasured,
     Result,
-    choice_list,
-    counts_text,
     fmt_count,
     interleaved_seconds,
     parse_counts,
-    positive_int,
     progress,
 )
 
 NAME = "sequence"
-DESCRIPTION = "Sequence sample units (64 x Sequence(32, burn_in=8), PER)"
 ALPHA, BETA = 0.7, 0.5
 BATCH, LENGTH, BURN_IN = 64, 32, 8
 CHUNK = 1_000_000
 DONE = ("next", "done")
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--seq-cases",
-        type=choice_list("static", "online"),
-        default="static,online",
-        help="which sequence cases to run, comma-separated",
-    )
-    group.add_argument(
-        "--seq-capacity",
-        type=counts_text,
-        default="1M,10M",
-        help="storage capacities (filled) for the sequence cases, comma-separated (50M: opt-in)",
-    )
-    group.add_argument(
-        "--seq-episode",
-        type=positive_int,
-        default=1000,
-        help="episode length of the sequence cases' data",
-    )
 
 
 def _rows(first: int, n: int, episode: int) -> TensorDict:

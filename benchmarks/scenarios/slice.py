@@ -27,87 +27,18 @@ from torchrl.data import SliceSampler as TorchRLSliceSampler
 
 from benchmarks.harness import (
     Result,
-    choice_list,
-    count_text,
-    counts_text,
     fmt_count,
     interleaved_seconds,
-    non_negative_int,
     parse_count,
     parse_counts,
-    positive_int,
     progress,
 )
 from fastreplay import SliceSampler
 
 NAME = "slice"
-DESCRIPTION = "SliceSampler at large capacity, static and online (extend 1000 + sample)"
 
 _CHUNK = 1 << 23
 _DONE = ("next", "done")
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--capacity", type=count_text, default="6M", help="storage capacity (items)")
-    group.add_argument(
-        "--stored", type=count_text, default="5M", help="items written before timing starts"
-    )
-    group.add_argument(
-        "--episode-len",
-        type=counts_text,
-        default="1000,50",
-        help="episode lengths to run, comma-separated (one pair of rows each)",
-    )
-    group.add_argument(
-        "--end",
-        type=choice_list("done", "traj"),
-        default="done,traj",
-        help="how trajectories are marked, comma-separated: 'done' = ('next', 'done') flags "
-        "(end_key), 'traj' = trajectory ids (traj_key)",
-    )
-    group.add_argument(
-        "--num-slices", type=positive_int, default=256, help="slices per sampled batch"
-    )
-    group.add_argument(
-        "--slice-len", type=positive_int, default=32, help="steps per slice (batch = slices x len)"
-    )
-    group.add_argument(
-        "--rotate-items",
-        type=counts_text,
-        default="2M,8M",
-        help="full storages (items) for the rotating slice lengths, comma-separated",
-    )
-    group.add_argument(
-        "--rotate-lengths",
-        type=non_negative_int,
-        default=8,
-        help="slice lengths rotated from one sample to the next, around --slice-len (0: none)",
-    )
-
-
-def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Values that do not fit together (the sampler's slices are strict: full length)."""
-    problems = []
-    capacity, stored = parse_count(args.capacity), parse_count(args.stored)
-    if stored > capacity:
-        problems.append(
-            f"--stored {args.stored} exceeds --capacity {args.capacity}: this scenario times a "
-            "partly filled storage; store at most the capacity"
-        )
-    shortest = min(parse_counts(args.episode_len))
-    if args.slice_len > min(shortest, stored):
-        what = f"--episode-len {shortest}" if shortest <= stored else f"--stored {args.stored}"
-        problems.append(
-            f"--slice-len {args.slice_len} is longer than {what}: no trajectory holds a whole "
-            f"slice; pass --slice-len {min(shortest, stored)} or less"
-        )
-    if args.rotate_lengths and args.slice_len - args.rotate_lengths // 2 < 2:
-        problems.append(
-            f"--rotate-lengths {args.rotate_lengths} around --slice-len {args.slice_len} "
-            "reaches slices shorter than 2 steps; pass --rotate-lengths "
-            f"{max(0, 2 * (args.slice_len - 2))} or less"
-        )
-    return problems
 
 
 def _fill(rb: ReplayBuffer, stored: int, episode_len: int, end: str, offset: int = 0) -> None:

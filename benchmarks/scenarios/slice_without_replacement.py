@@ -25,15 +25,11 @@ import torch
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWithoutReplacement
 
+from benchmarks.arguments import swor_refusal
 from benchmarks.harness import (
     Result,
-    check_sizes,
-    count_text,
-    counts_text,
     fmt_count,
-    positive_int,
     progress,
-    sizes_and_capacity,
 )
 from benchmarks.scenarios.prioritized_slice import (
     _CHUNK,
@@ -45,29 +41,6 @@ from benchmarks.scenarios.prioritized_slice import (
 from fastreplay import SliceSamplerWithoutReplacement
 
 NAME = "slice_without_replacement"
-DESCRIPTION = "SliceSamplerWithoutReplacement: online step (extend 1000 + sample) and static"
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--swor-stored",
-        type=counts_text,
-        default="1M",
-        help="items stored, comma-separated (e.g. 1M,5M,50M)",
-    )
-    group.add_argument(
-        "--swor-capacity",
-        type=count_text,
-        default=None,
-        help="storage capacity (default: 1.2x the largest --swor-stored)",
-    )
-    group.add_argument(
-        "--swor-episode-len", type=positive_int, default=1000, help="steps per episode"
-    )
-    group.add_argument(
-        "--swor-num-slices", type=positive_int, default=256, help="slices per sampled batch"
-    )
-    group.add_argument("--swor-slice-len", type=positive_int, default=32, help="steps per slice")
 
 
 def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int) -> bool:
@@ -77,44 +50,9 @@ def _slices_ok(storage: LazyTensorStorage, index: tuple, num_slices: int) -> boo
     return bool((step == 1).all()) and not bool(done[:, :-1].any())
 
 
-def _refusal(args: argparse.Namespace, stored: int, capacity: int) -> str | None:
-    """Why ``stored`` items cannot be benchmarked with these arguments, or ``None``."""
-    ep, slices, slice_len = args.swor_episode_len, args.swor_num_slices, args.swor_slice_len
-    if ep < slice_len:
-        return (
-            f"--swor-episode-len {ep} is shorter than --swor-slice-len {slice_len}: no episode "
-            "holds a slice; pass a longer episode or a shorter slice"
-        )
-    episodes = min(stored, capacity) // ep
-    if episodes < slices:
-        return (
-            f"{fmt_count(stored)} items stored (capacity {fmt_count(capacity)}) hold "
-            f"{episodes} episodes of {ep} steps, fewer than --swor-num-slices {slices}: a batch "
-            f"cannot take {slices} distinct episodes; store at least {fmt_count(slices * ep)} "
-            "items, or pass a smaller --swor-num-slices or --swor-episode-len"
-        )
-    return None
-
-
-def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Values that do not fit together.
-
-    A size refused by :func:`_refusal` is skipped at run time, with the reason; a run where
-    every size is refused would measure nothing, so that is a usage error.
-    """
-    problems = check_sizes("swor", args.swor_stored, args.swor_capacity, args.swor_slice_len)
-    if problems:
-        return problems
-    sizes, capacity = sizes_and_capacity(args.swor_stored, args.swor_capacity)
-    refusals = [_refusal(args, stored, capacity) for stored in sizes]
-    if all(refusals):
-        return [refusals[-1]]  # the largest size's reason, when they differ
-    return []
-
-
 def run(args: argparse.Namespace) -> list[Result]:
     def run_size(stored: int, capacity: int) -> list[Result]:
-        why = _refusal(args, stored, capacity)
+        why = swor_refusal(args, stored, capacity)
         if why is not None:
             print(f"  {NAME}: skipped {fmt_count(stored)} stored: {why}", file=sys.stderr)
             return []

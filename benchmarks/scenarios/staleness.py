@@ -24,30 +24,14 @@ from torchrl.data import StalenessAwareSampler as TorchRLStalenessAwareSampler
 
 from benchmarks.harness import (
     Result,
-    counts_text,
     fmt_count,
     interleaved_seconds,
     parse_counts,
-    positive_int,
 )
 from fastreplay import StalenessAwareSampler
 
 NAME = "staleness"
-DESCRIPTION = "StalenessAwareSampler: sample(batch) at a fixed and an advancing consumer version"
 _MULTINOMIAL_MAX = 2**24
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--stale-stored",
-        type=counts_text,
-        default="1M,10M",
-        help="items stored, comma-separated (e.g. 1M,10M,20M)",
-    )
-    group.add_argument("--stale-batch", type=positive_int, default=256, help="samples per call")
-    group.add_argument(
-        "--stale-versions", type=positive_int, default=100, help="distinct versions stored"
-    )
 
 
 def _buffer(sampler: object, versions: torch.Tensor) -> ReplayBuffer:

@@ -27,10 +27,9 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.harness import NotMeasured, Result, choice_list, positive_int
+from benchmarks.harness import NotMeasured, Result
 
 NAME = "startup"
-DESCRIPTION = "Start-up in a fresh process: import, build a PER buffer, first extend/sample/update"
 
 CHILD = """
 import json, sys, time
@@ -69,21 +68,6 @@ print(json.dumps({
     "numba": "numba" in sys.modules,
 }))
 """
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--startup-cases",
-        type=choice_list("warm", "cold"),
-        default="warm,cold",
-        help="which start-up cases to run, comma-separated",
-    )
-    group.add_argument(
-        "--startup-runs",
-        type=positive_int,
-        default=2,
-        help="fresh processes per side for the warm case; the last one is reported",
-    )
 
 
 def _child(side: str, env: dict[str, str]) -> dict | None:

@@ -46,55 +46,17 @@ from benchmarks.floor import KIND as FLOOR_KIND
 from benchmarks.floor import PerFloor, gather_runs, write_rows
 from benchmarks.harness import (
     Result,
-    choice_list,
-    count_text,
-    counts_text,
     fmt_count,
     interleaved_seconds,
     parse_count,
     parse_counts,
-    positive_int,
     progress,
 )
 from fastreplay._torchrl import last_cursor_row, mutation_revision
 
 NAME = "whole_step"
-DESCRIPTION = "A whole step through the buffer (PER vs TorchRL and cpprb; slices)"
 ALPHA, BETA = 0.7, 0.5
 CHUNK = 1_000_000
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--step-cases",
-        type=choice_list("per", "slice"),
-        default="per,slice",
-        help="which whole-step cases to run, comma-separated",
-    )
-    group.add_argument(
-        "--step-per-capacity",
-        type=counts_text,
-        default="1M,10M",
-        help="buffer capacities (all filled) for the PER step, comma-separated",
-    )
-    group.add_argument(
-        "--step-slice-capacity",
-        type=count_text,
-        default="8M",
-        help="storage capacity for the slice step",
-    )
-    group.add_argument(
-        "--step-slice-stored",
-        type=count_text,
-        default="6M",
-        help="rows written before the slice step is timed",
-    )
-    group.add_argument(
-        "--step-slice-episode",
-        type=positive_int,
-        default=1000,
-        help="episode length of the slice step's data",
-    )
 
 
 # --------------------------------------------------------------------------- PER step
