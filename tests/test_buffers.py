@@ -36,6 +36,7 @@ from fastreplay import (
     TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
+from fastreplay._torchrl import STORAGE_HAS_REVISION, TORCHRL_VERSION
 from fastreplay.buffers import pinning as _pinning
 
 N_TRAJ, TRAJ_LEN = 7, 9  # 63 items in a capacity-50 storage: wraps around
@@ -974,6 +975,11 @@ def stored_leaves(sample: TensorDict, kind: str) -> list:
     return [(path, t) for path, t in tensor_leaves(sample) if path[-1] not in metadata]
 
 
+@pytest.mark.skipif(
+    not STORAGE_HAS_REVISION,
+    reason=f"TorchRL {TORCHRL_VERSION}'s storages count no writes, so fastreplay's direct read "
+    "(and with it the gather into pinned memory) is off: samples are read, then pinned",
+)
 @pytest.mark.parametrize("kind", ["random", "torchrl-slice", "fastreplay-slice"])
 @pytest.mark.parametrize("prefetch", [None, 2])
 def test_host_storage_gathers_straight_into_pinned_memory(
@@ -1007,7 +1013,8 @@ def test_host_storage_gathers_straight_into_pinned_memory(
 def test_staged_samples_equal_torchrl(fake_pinning: FakePinning, kind: str):
     ours = make_buffer(TensorDictReplayBuffer, kind, pin_memory=True, generator=generator(5))
     got = [ours.sample(return_info=True) for _ in range(3)]
-    assert fake_pinning.allocated  # the staged gather ran
+    # the gather into pinned memory ran, where the direct read exists
+    assert bool(fake_pinning.allocated) == STORAGE_HAS_REVISION
     ref = make_buffer(TorchRLBuffer, kind, generator=generator(5))
     want = [ref.sample(return_info=True) for _ in range(3)]
     for (data, info), (ref_data, ref_info) in zip(got, want, strict=True):
