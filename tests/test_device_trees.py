@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrl.data import LazyTensorStorage
 
 import fastreplay._core.trees.device_backend as device_backend
+from conftest import requires_cuda
 from fastreplay import PrioritizedSampler, TensorDictReplayBuffer
 
 # Torch ops per step part on the device backend (CPU tensors; the same code on CUDA).
@@ -156,3 +157,24 @@ def test_sampling_matches_the_torch_backend_at_a_million_slots() -> None:
     expected = trees[0].sample(draw.clone(), trees[0].total(), trees[0].min_mass(), 0.5, True)
     found = trees[1].sample_live(draw.clone(), 0.5, True)
     assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+
+
+def test_the_cpu_default_is_unchanged_and_reported() -> None:
+    """``sampler.backend`` and ``sampler.device`` report the choice; the CPU default is kept."""
+    sampler = PrioritizedSampler(7, 0.5, 0.5)
+    assert sampler.backend in ("numba", "torch") and sampler.device.type == "cpu"
+    forced = PrioritizedSampler(7, 0.5, 0.5, backend="device")
+    assert forced.backend == "device" and "backend='device'" in repr(forced)
+
+
+@requires_cuda
+def test_a_cuda_storage_gets_the_device_backend() -> None:
+    sampler = PrioritizedSampler(100, 0.6, 0.4)
+    rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(100, device="cuda"), sampler=sampler, priority_key="td_error"
+    )
+    rb.extend(TensorDict(obs=torch.arange(10.0), td_error=torch.rand(10) + 0.1, batch_size=[10]))
+    assert sampler.backend == "device" and sampler.device.type == "cuda"
+    data, info = rb.sample(32, return_info=True)
+    assert info["priority_weight"].device.type == "cuda"
+    rb.update_tensordict_priority(data)

@@ -7,7 +7,7 @@ compiled loops on the CPU, when numba is installed) and ``"device"``
 (:class:`fastreplay._core.trees.device_backend.DevicePriorityTrees`: pure torch in a fixed
 depth-3 layout whose sampling and writes read nothing back to the host, the default on
 accelerators; float64 masses by ``torch.pow``, which may differ from the C library's in the
-last bit). Fed the same calls on the CPU, both hold
+last bit). Fed the same calls on the CPU, the torch and numba backends hold
 bit-for-bit the same leaves (raw priorities and masses, whose ``pow`` is the C library's on
 both: :func:`fastreplay._core.trees.ops.c_pow`) and return the same weights for the same leaves.
 Their inner nodes sum the children in different orders (each vectorizes its own way), so with
