@@ -177,6 +177,49 @@ def add_her_streaming(group: argparse._ArgumentGroup) -> None:
     )
 
 
+# --------------------------------------------------------------------------------------- gpu
+
+GPU_EPISODE = 500  # the slice rows' episode length (benchmarks.scenarios.gpu)
+
+
+def add_gpu(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--gpu-device",
+        type=gpu_device,
+        default="cuda",
+        help="device of the storages and samples: cuda, or cpu to run the rows on the host",
+    )
+    group.add_argument(
+        "--gpu-stored", type=count_text, default="1M", help="capacity of the CUDA storages"
+    )
+    group.add_argument(
+        "--gpu-batch", type=positive_int, default=256, help="samples (or slices) per sample()"
+    )
+    group.add_argument(
+        "--gpu-pin-stored", type=positive_int, default=2048, help="frames stored for the pin row"
+    )
+    group.add_argument(
+        "--gpu-logp-batch",
+        type=count_text,
+        default="4M",
+        help="samples whose log-probs the chunked log-prob row computes",
+    )
+
+
+def gpu_device(text: str) -> str:
+    if text not in ("cuda", "cpu") and not text.startswith("cuda:"):
+        raise argparse.ArgumentTypeError(f"{text!r}: pass cuda, cuda:N or cpu")
+    return text
+
+
+def check_gpu(args: argparse.Namespace) -> list[str]:
+    """Usage errors: values that do not fit together."""
+    stored = parse_count(args.gpu_stored)
+    if stored < 2 * GPU_EPISODE:
+        return [f"--gpu-stored {args.gpu_stored}: at least {2 * GPU_EPISODE} (two episodes)"]
+    return []
+
+
 # --------------------------------------------------------------------------------------- pin
 
 

@@ -42,6 +42,14 @@ _M = "benchmarks.scenarios."
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
+        "gpu",
+        "CUDA storages (uniform, PER, slice), pinned delivery and chunked log-probs, with floors "
+        "(needs CUDA, or --gpu-device cpu)",
+        _M + "gpu",
+        a.add_gpu,
+        a.check_gpu,
+    ),
+    Scenario(
         "her_streaming",
         "HERReplayBuffer / StreamingSliceSampler sample and can_sample after extend(1000)",
         _M + "her_streaming",

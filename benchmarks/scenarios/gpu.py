@@ -47,65 +47,21 @@ from torchrl.data import PrioritizedSampler as TorchRLPrioritizedSampler
 from torchrl.data import SliceSampler as TorchRLSliceSampler
 from torchrl.data import TensorDictReplayBuffer as TorchRLBuffer
 
+from benchmarks.arguments import GPU_EPISODE
 from benchmarks.harness import (
     NotMeasured,
     Result,
-    count_text,
     fmt_count,
     interleaved_seconds,
     parse_count,
-    positive_int,
 )
 from fastreplay import PrioritizedSampler, SliceSampler, TensorDictReplayBuffer, chunked_log_prob
 
 NAME = "gpu"
-DESCRIPTION = (
-    "CUDA storages (uniform, PER, slice), pinned delivery and chunked log-probs, with floors "
-    "(needs CUDA, or --gpu-device cpu)"
-)
-
 _KEYS = {"obs": 17, "next_obs": 17, "action": 6, "reward": 1, "done": 1}
-_EPISODE = 500
+_EPISODE = GPU_EPISODE
 _SLICE = 4
 _FRAME = (84, 84, 3)
-
-
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--gpu-device",
-        type=_device,
-        default="cuda",
-        help="device of the storages and samples: cuda, or cpu to run the rows on the host",
-    )
-    group.add_argument(
-        "--gpu-stored", type=count_text, default="1M", help="capacity of the CUDA storages"
-    )
-    group.add_argument(
-        "--gpu-batch", type=positive_int, default=256, help="samples (or slices) per sample()"
-    )
-    group.add_argument(
-        "--gpu-pin-stored", type=positive_int, default=2048, help="frames stored for the pin row"
-    )
-    group.add_argument(
-        "--gpu-logp-batch",
-        type=count_text,
-        default="4M",
-        help="samples whose log-probs the chunked log-prob row computes",
-    )
-
-
-def _device(text: str) -> str:
-    if text not in ("cuda", "cpu") and not text.startswith("cuda:"):
-        raise argparse.ArgumentTypeError(f"{text!r}: pass cuda, cuda:N or cpu")
-    return text
-
-
-def check_arguments(args: argparse.Namespace) -> list[str]:
-    """Usage errors: values that do not fit together."""
-    stored = parse_count(args.gpu_stored)
-    if stored < 2 * _EPISODE:
-        return [f"--gpu-stored {args.gpu_stored}: at least {2 * _EPISODE} (two episodes)"]
-    return []
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
