@@ -15,6 +15,10 @@ unmodified for other anchors):
 * writes nobody reported (TorchRL's buffer, ``storage.set``) are seen from the storage's
   mutation revision and make the index rebuild once, at the next ``expand``
   (``O(items stored)``, as TorchRL);
+* done flags edited in place through a view of the storage are seen from the version counter
+  torch keeps for the ``done_key`` tensor, compared at every ``expand`` with the writes
+  reported (``O(1)``), whatever writes came after the edit; edits that move no counter of
+  this process (``tensor.data``, another process) need ``unit.invalidate_boundaries()``;
 * each query is ``O(batch x log(trajectories))``.
 
 So every record, mask, info key and random draw is TorchRL's, by construction. The index is
@@ -372,6 +376,8 @@ if TorchRLSequence is not None:
         ``O(batch x (burn_in + length + bootstrap) + batch x log(trajectories))`` plus
         ``O(rows written since the last sample)``; in TorchRL's buffers, which report no
         writes, the index rebuilds once after each write (``O(items stored)``, as TorchRL's).
+        Done flags edited through ``tensor.data`` or by another process need
+        :meth:`invalidate_boundaries`; edits through a view of the storage are seen.
 
         Args:
             length: the learning region's length.
