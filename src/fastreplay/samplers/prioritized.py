@@ -454,7 +454,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         if storage is None:
             return self._slots
         stored = storage_len(storage)
-        if stored >= self._full_at(storage):
+        if stored >= self._full_at(storage) and getattr(storage, "ndim", 1) > 1:
             # Full: a storage that loaded a state dict keeps its constructor's ``max_size``,
             # under the slots its tensors hold (an ``ndim=2`` storage rounded up), so ``len``
             # stops there while the writer writes every slot. TorchRL's trees take those
@@ -483,8 +483,10 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
             raise TypeError(f"priority must be real numbers, got dtype {priority.dtype}")
         if priority.numel() == 0:
             return
-        priority = priority.reshape(-1).to(torch.float64)
-        low, high = (float(value) for value in torch.aminmax(priority))
+        priority = priority.reshape(-1)
+        if priority.dtype not in _FLOAT_DTYPES:  # ints, float16, bfloat16: exact in float64
+            priority = priority.to(torch.float64)
+        low, high = (value.item() for value in torch.aminmax(priority))
         if not (low >= 0 and high < math.inf):
             bad = priority[~((priority >= 0) & (priority < math.inf))]
             raise ValueError(
