@@ -32,7 +32,6 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 import fastreplay
-from conftest import REPO
 from fastreplay import _torchrl as compat
 
 PACKAGE = Path(importlib.util.find_spec("fastreplay").submodule_search_locations[0])
