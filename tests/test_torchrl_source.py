@@ -32,7 +32,6 @@ import torchrl.data as trl
 from tensordict import TensorDict
 
 import fastreplay
-from conftest import REPO
 from fastreplay import _torchrl as compat
 
 PACKAGE = Path(importlib.util.find_spec("fastreplay").submodule_search_locations[0])
@@ -91,6 +90,23 @@ def test_source_scan_finds_what_it_looks_for() -> None:
         "calls compile",
         "uses inspect.getsourcelines",
         "uses ast.parse",
+    ]
+
+
+def test_compat_module_imports_no_fastreplay_module() -> None:
+    """``_torchrl`` is the bottom layer: what it needs lives in it (no import circle)."""
+    tree = ast.parse((PACKAGE / "_torchrl.py").read_text())
+    imported = [
+        alias.name if isinstance(node, ast.Import) else f"{node.module}"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+    assert imported and not [name for name in imported if name.split(".")[0] == "fastreplay"]
+    assert not [
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level  # relative imports
     ]
 
 

@@ -480,7 +480,7 @@ def _function(method: Any) -> Any:
     return method
 
 
-def _instructions(code: Any) -> list[tuple[int | None, Any]]:
+def _instructions(code: Any) -> list[tuple[int, Any]]:
     """``(line, instruction)`` for each instruction of ``code``, as its traceback shows it."""
     found = []
     line = code.co_firstlineno
@@ -488,7 +488,7 @@ def _instructions(code: Any) -> list[tuple[int | None, Any]]:
         positions = getattr(instruction, "positions", None)  # Python 3.11+
         if positions is not None and positions.lineno is not None:
             line = positions.lineno
-        elif isinstance(instruction.starts_line, int) and instruction.starts_line is not True:
+        elif type(instruction.starts_line) is int:  # (a bool from Python 3.13 on)
             line = instruction.starts_line  # Python 3.10
         found.append((line, instruction))
     return found
@@ -689,6 +689,7 @@ class _SliceHooks:
 
     truncated_key: Any  # TorchRL's SliceSampler's
     _maybe_emit_init_marker: Any
+    _warned_short_batch: bool  # (the nightly's)
 
     if "end_keys" not in SLICE_SAMPLER_ARGS:
         end_keys = None

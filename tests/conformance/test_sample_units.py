@@ -340,5 +340,5 @@ def test_episode_boundary_hook() -> None:
     finally:
         sample_units.IndexedBoundaries.for_storage = original  # type: ignore[method-assign]
     assert calls == [DONE]
-    if not HAS_EPISODE_BOUNDARIES:  # 0.14: TorchRL's expand recompiled with the hook
+    if not HAS_EPISODE_BOUNDARIES:  # 0.14: fastreplay's own expansion reads the index
         assert fastreplay.Sequence.expand is not TorchRLSequence.expand
