@@ -27,11 +27,6 @@ from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees
 from fastreplay._core.trees.torch_backend import PriorityTrees
 
 
-@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
 def _buffer(sampler: PrioritizedSampler, capacity: int, side: str) -> trl.TensorDictReplayBuffer:
     """``sampler`` in the ``side`` buffer: TorchRL's ``TensorDictReplayBuffer`` or fastreplay's."""
     storage = LazyTensorStorage(capacity)
