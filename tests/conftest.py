@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import math
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -169,6 +170,25 @@ def synchronize(buffer: object) -> None:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each priority-tree backend: ``"torch"``, and ``"numba"`` where numba is installed."""
+    return request.param
+
+
+def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Upper tail of the chi-square statistic (Wilson-Hilferty normal approximation)."""
+    dof = observed.numel() - 1
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def trajectory_key(mode: str) -> dict:
+    """A slice sampler's trajectory argument: ``traj_key`` for ``"ids"``, else ``end_key``."""
+    return {"traj_key": "traj"} if mode == "ids" else {"end_key": ("next", "done")}
 
 
 def record_storage_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -17,8 +17,9 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.data import PrioritizedSliceSampler as TorchRLPrioritizedSliceSampler
 
 from conformance.conftest import DONE, assert_slices_valid, episodes
-from conformance.test_slice_samplers import chi2_pvalue, slice_starts, valid_starts
+from conformance.test_slice_samplers import slice_starts, valid_starts
 from conftest import (
+    chi2_pvalue,
     record_storage_reads,
     requires_cuda,
     requires_storage_revision,

@@ -17,16 +17,6 @@ from conftest import requires_cuda, requires_numba
 from fastreplay._core.trees.interface import available_backends, make_trees
 from fastreplay._core.trees.torch_backend import PriorityTrees
 
-BACKENDS = [
-    "torch",
-    pytest.param("numba", marks=requires_numba),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
-
 
 def _trees(capacity: int, backend: str, branching: int = 32):
     return make_trees(capacity, backend=backend, branching=branching)

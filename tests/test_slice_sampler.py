@@ -19,6 +19,7 @@ from conftest import (
     requires_storage_revision,
     short_flat_batches,
     skip_unless_slice_args,
+    trajectory_key,
 )
 from fastreplay import SliceSampler
 from fastreplay._torchrl import last_cursor_row
@@ -60,10 +61,6 @@ class Episodes:
         return td.transpose(0, 1).contiguous()  # ReplayBuffer extends ndim=2 storages on dim 1
 
 
-def _key(mode: str) -> dict:
-    return {"traj_key": "traj"} if mode == "ids" else {"end_key": DONE}
-
-
 def _assert_same(fast: SliceSampler, ref: TorchRLSliceSampler, storage, batch: int, seed: int):
     for a, b in zip(
         fast._get_stop_and_length(storage), ref._get_stop_and_length(storage), strict=True
@@ -101,7 +98,7 @@ def test_bit_identical_to_torchrl_after_random_extends(mode, rows, columns, stri
     rng = random.Random(seed)
     episodes = Episodes(columns, seed)
     storage = LazyTensorStorage(rows * (columns or 1), ndim=1 if columns is None else 2)
-    kw = {"num_slices": 4, "strict_length": strict, **_key(mode)}
+    kw = {"num_slices": 4, "strict_length": strict, **trajectory_key(mode)}
     fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
     rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=16)
     for it in range(12):
@@ -238,7 +235,7 @@ def test_wrapped_storage_updates_read_only_the_new_rows_and_match_torchrl(
     rng = random.Random(rows)
     episodes = Episodes(columns, 5, p_end=0.08)  # episodes of ~12 steps run across row 0
     storage = LazyTensorStorage(rows * (columns or 1), ndim=1 if columns is None else 2)
-    kw = {"num_slices": 4, **_key(mode)}
+    kw = {"num_slices": 4, **trajectory_key(mode)}
     fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
     rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=16)
     rb.extend(episodes.batch(rows - 7))
@@ -278,7 +275,7 @@ def test_sampling_is_uniform_over_eligible_trajectories() -> None:
 
 def _filled(mode: str = "done") -> tuple[SliceSampler, LazyTensorStorage]:
     storage = LazyTensorStorage(30)
-    fast = SliceSampler(num_slices=3, **_key(mode))
+    fast = SliceSampler(num_slices=3, **trajectory_key(mode))
     ReplayBuffer(storage=storage, sampler=fast).extend(Episodes(None, 1, p_end=0.3).batch(20))
     fast.sample(storage, 6)
     return fast, storage
@@ -557,7 +554,7 @@ def test_cuda_storage_bit_identical_to_torchrl(mode, columns) -> None:
     storage = LazyTensorStorage(
         41 * (columns or 1), ndim=1 if columns is None else 2, device="cuda"
     )
-    kw = {"num_slices": 4, "strict_length": False, **_key(mode)}
+    kw = {"num_slices": 4, "strict_length": False, **trajectory_key(mode)}
     fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
     rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=16)
     for it, n in enumerate((30, 17, 25)):
@@ -667,7 +664,7 @@ def test_slice_info_matches_torchrl_with_stored_flags(mode, truncated_key, store
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     episodes = Episodes(None, seed)
-    kw = {"num_slices": 4, "truncated_key": truncated_key, **_key(mode)}
+    kw = {"num_slices": 4, "truncated_key": truncated_key, **trajectory_key(mode)}
     fast, ref = SliceSampler(**kw), TorchRLSliceSampler(**kw)
     storage, ref_storage = LazyTensorStorage(301), LazyTensorStorage(301)
     rb = fastreplay.TensorDictReplayBuffer(storage=storage, sampler=fast, batch_size=16)

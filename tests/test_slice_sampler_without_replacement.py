@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import pickle
 import random
 
@@ -17,10 +16,12 @@ from torchrl.data import SliceSamplerWithoutReplacement as TorchRLSliceSamplerWi
 from conformance.conftest import episodes
 from conftest import (
     assert_same_sample,
+    chi2_pvalue,
     record_storage_reads,
     requires_storage_revision,
     short_flat_batches,
     skip_unless_slice_args,
+    trajectory_key,
 )
 from fastreplay import SliceSamplerWithoutReplacement
 from fastreplay._core.epoch_permutation import EpochPermutation
@@ -30,10 +31,6 @@ from test_slice_sampler import DONE, Episodes
 
 WOR = SliceSamplerWithoutReplacement
 REF = TorchRLSliceSamplerWithoutReplacement
-
-
-def _key(mode: str) -> dict:
-    return {"traj_key": "traj"} if mode == "ids" else {"end_key": DONE}
 
 
 def _sample_both(fast, ref, storage, batch: int, seed: int) -> None:
@@ -78,7 +75,7 @@ def test_bit_identical_to_torchrl_across_epochs_and_extends(
     episodes = Episodes(columns, seed, p_end=0.2)
     storage = LazyTensorStorage(rows * (columns or 1), ndim=1 if columns is None else 2)
     kw = {"num_slices": 3, "strict_length": strict, "drop_last": drop_last, "shuffle": shuffle}
-    fast, ref = WOR(**kw, **_key(mode)), REF(**kw, **_key(mode))
+    fast, ref = WOR(**kw, **trajectory_key(mode)), REF(**kw, **trajectory_key(mode))
     rb = ReplayBuffer(storage=storage, sampler=fast, batch_size=6)
     for it in range(8):
         ref.extend(rb.extend(episodes.batch(rng.randint(1, 2 * rows))))
@@ -274,14 +271,6 @@ def _lazy(sampler):
     return sampler
 
 
-def _chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Upper tail of the chi-square statistic (Wilson-Hilferty normal approximation)."""
-    dof = observed.numel() - 1
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
-
-
 @pytest.mark.parametrize("n", [1, 2, 7, 40, 257, 1000])
 @pytest.mark.parametrize("k", [1, 3, 64])
 def test_epoch_permutation_draws_every_item_once_per_epoch(n, k) -> None:
@@ -322,11 +311,11 @@ def test_epoch_permutation_is_uniform(n, k) -> None:
         order = np.concatenate([perm.draw(k, gen) for _ in range(-(n // -k))])
         position[torch.arange(n), torch.from_numpy(order)] += 1
         pairs[order[0], order[1]] += 1
-    assert _chi2_pvalue(position.view(-1), torch.full((n * n,), epochs / n)) > 1e-3
+    assert chi2_pvalue(position.view(-1), torch.full((n * n,), epochs / n)) > 1e-3
     off_diagonal = ~torch.eye(n, dtype=torch.bool)
     assert not pairs[~off_diagonal].any()
     expected = torch.full((n * (n - 1),), epochs / (n * (n - 1)))
-    assert _chi2_pvalue(pairs[off_diagonal], expected) > 1e-3
+    assert chi2_pvalue(pairs[off_diagonal], expected) > 1e-3
 
 
 def test_epoch_permutation_first_draws_of_many_items_are_uniform() -> None:
@@ -340,7 +329,7 @@ def test_epoch_permutation_first_draws_of_many_items_are_uniform() -> None:
         assert np.unique(first).size == k
         counts[torch.arange(k), torch.from_numpy(first)] += 1
     for slot in counts:
-        assert _chi2_pvalue(slot, torch.full((n,), epochs / n)) > 1e-3
+        assert chi2_pvalue(slot, torch.full((n,), epochs / n)) > 1e-3
 
 
 def _epoch_run(sampler, storage, batch: int, calls: int) -> list[tuple]:
@@ -455,9 +444,9 @@ def test_lazy_slice_starts_follow_torchrl_s_distribution() -> None:
             starts = rows[: max(rows.numel() - 3, 0)]
             expected[starts] = epochs / starts.numel() if starts.numel() else 0
         assert not counts[expected == 0].any()
-        assert _chi2_pvalue(counts[expected > 0], expected[expected > 0]) > 1e-3
+        assert chi2_pvalue(counts[expected > 0], expected[expected > 0]) > 1e-3
         long = first_batch[first_batch > 0]
-        assert _chi2_pvalue(long, torch.full_like(long, long.sum() / long.numel())) > 1e-3
+        assert chi2_pvalue(long, torch.full_like(long, long.sum() / long.numel())) > 1e-3
 
 
 def test_lazy_epoch_never_draws_a_permutation_of_every_trajectory(monkeypatch) -> None:

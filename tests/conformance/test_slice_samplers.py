@@ -10,7 +10,6 @@ and in fastreplay's ``TensorDictReplayBuffer`` (``buffer_side``).
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
@@ -24,18 +23,10 @@ from conformance.conftest import (
     extend_in_two,
     make_buffer,
 )
-from conftest import short_flat_batches
+from conftest import chi2_pvalue, short_flat_batches
 from fastreplay._torchrl import last_cursor_row
 
 ALPHA, BETA = 0.8, 0.6
-
-
-def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Upper tail of the chi-square statistic (Wilson-Hilferty normal approximation)."""
-    dof = observed.numel() - 1
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def valid_starts(storage, seq_length: int, strict: bool, span_right: bool | int = False) -> dict:

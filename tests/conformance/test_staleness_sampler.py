@@ -25,14 +25,9 @@ from torchrl.data import LazyTensorStorage, ListStorage
 
 import fastreplay
 from conformance.conftest import FASTREPLAY_BUFFER, Impl, extend_in_two, make_buffer
-from conftest import requires_numba, requires_storage_revision
+from conftest import requires_storage_revision
 
 # -------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba)])
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
 
 
 def _sampler(impl: Impl, backend: str = "torch", **kwargs):

@@ -30,6 +30,7 @@ from fastreplay._core.trees.torch_backend import PriorityTrees
 
 @pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba), "device"])
 def backend(request: pytest.FixtureRequest) -> str:
+    """conftest's ``backend`` plus the device backend (the default off the CPU)."""
     return request.param
 
 
