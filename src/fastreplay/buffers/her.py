@@ -151,7 +151,7 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         """
         self._fr_her.invalidate()
         self._fr_scanned = None
-        invalidate = getattr(self.__dict__.get("_sampler"), "invalidate_boundaries", None)
+        invalidate = getattr(self.sampler, "invalidate_boundaries", None)
         if invalidate is not None:
             invalidate()
 
