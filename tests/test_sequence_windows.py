@@ -60,11 +60,16 @@ def test_fastreplay_sequence_expands_one_dim_anchors_without_torchrls_code(monke
     done = (torch.arange(50) % 7 == 6)[:, None]
     storage.set(torch.arange(50), TensorDict({("next", "done"): done}, [50]))
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("TorchRL's expand ran")
+    numpy_expand = sample_units._expand_sequence
+    results = []
 
-    monkeypatch.setattr(sample_units, "_TORCHRL_SEQUENCE_EXPAND", refuse)
+    def spy(*args, **kwargs):
+        results.append(numpy_expand(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(sample_units, "_expand_sequence", spy)
     unit = sample_units.Sequence(length=3, burn_in=2)
     index, info = unit.expand(torch.tensor([0, 8, 20]), {}, storage)
+    assert len(results) == 1 and results[0] is not None  # the NumPy windows, not TorchRL's
     assert index.tolist() == [0, 0, 0, 1, 2, 7, 7, 8, 9, 10, 18, 19, 20, 20, 20]
     assert info["validity_mask"].tolist()[:5] == [False, False, True, True, True]
