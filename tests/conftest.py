@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import gc
 import importlib
+import importlib.util
 import math
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -23,6 +25,44 @@ from fastreplay._torchrl import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = Path(importlib.util.find_spec("fastreplay").submodule_search_locations[0])
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of the fastreplay module at ``path`` (a package: its folder)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_path(module: str) -> Path:
+    """The file of the fastreplay module ``module`` (a package: its ``__init__.py``)."""
+    relative = Path(*module.split(".")[1:])
+    package = PACKAGE / relative / "__init__.py"
+    return package if package.exists() else (PACKAGE / relative).with_suffix(".py")
+
+
+def is_fastreplay_module(name: str) -> bool:
+    """Whether ``name`` is fastreplay or one of its existing modules."""
+    return name == "fastreplay" or (name.startswith("fastreplay.") and module_path(name).exists())
+
+
+def imported_names(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
+    """The modules one import statement names, relative ones resolved against ``package``.
+
+    ``from X import a`` names ``X.a`` where that is a fastreplay module, else ``X``.
+    """
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1])
+        target = f"{base}.{node.module}" if node.module else base
+    else:
+        target = node.module or ""
+    return [
+        sub if is_fastreplay_module(sub) else target
+        for sub in (f"{target}.{alias.name}" for alias in node.names)
+    ]
 
 
 def _collections_deferred(send: Callable[..., Any]) -> Callable[..., Any]:

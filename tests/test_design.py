@@ -29,7 +29,6 @@ MRO depth, which is read from the imported classes.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,8 +36,7 @@ from pathlib import Path
 import pytest
 
 import fastreplay
-
-PACKAGE = Path(importlib.util.find_spec("fastreplay").submodule_search_locations[0])
+from conftest import PACKAGE, imported_names, module_name
 
 # --------------------------------------------------------------------------------- ceilings
 PRIVATE_IN_COMPAT = 25  # in _torchrl.py (or a _compat/ package)
@@ -87,11 +85,6 @@ def _lower_or_raise(name: str, found: int, ceiling: int, detail: str = "") -> No
 
 def _files() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _private(name: object) -> bool:
@@ -266,13 +259,6 @@ def test_longest_public_mro() -> None:
 
 
 # ----------------------------------------------------------------------------- import cycles
-def _is_module(name: str) -> bool:
-    relative = Path(*name.split(".")[1:])
-    return (PACKAGE / relative / "__init__.py").exists() or (PACKAGE / relative).with_suffix(
-        ".py"
-    ).exists()
-
-
 def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
     """The import statements under ``node``, but not those under ``if TYPE_CHECKING:``."""
     for child in ast.iter_child_nodes(node):
@@ -288,20 +274,7 @@ def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
 def import_edges(source: str, module: str, is_package: bool) -> set[str]:
     """The fastreplay modules that ``module``'s import statements name, relative ones resolved."""
     package = module if is_package else module.rpartition(".")[0]
-    out = set()
-    for node in _imports(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                out.add(sub if target.startswith("fastreplay") and _is_module(sub) else target)
+    out = {name for node in _imports(ast.parse(source)) for name in imported_names(node, package)}
     return {m for m in out if m.split(".")[0] == "fastreplay" and m != module}
 
 
@@ -366,8 +339,8 @@ def test_import_cycle_finder() -> None:
 
 def test_import_cycles_are_the_known_ones() -> None:
     graph = {
-        _module_name(p): import_edges(
-            p.read_text(encoding="utf-8"), _module_name(p), p.name == "__init__.py"
+        module_name(p): import_edges(
+            p.read_text(encoding="utf-8"), module_name(p), p.name == "__init__.py"
         )
         for p in _files()
     }
@@ -429,7 +402,7 @@ def _sampler_attributes() -> set[str]:
 
 def _core_sources() -> dict[str, str]:
     return {
-        _module_name(path): path.read_text(encoding="utf-8")
+        module_name(path): path.read_text(encoding="utf-8")
         for path in sorted((PACKAGE / "_core").rglob("*.py"))
     }
 

@@ -10,7 +10,6 @@ interpreter imports every module of ``_core`` and must end with neither in ``sys
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import subprocess
 import sys
@@ -19,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import PACKAGE, REPO, imported_names, module_name, module_path
 
-PACKAGE = Path(importlib.util.find_spec("fastreplay").submodule_search_locations[0])
 FORBIDDEN = ("torchrl", "tensordict")
 # fastreplay modules outside ``_core`` that the cores may import: pure themselves (checked).
 PURE_OUTSIDE = ("fastreplay.errors",)
@@ -30,44 +28,18 @@ TENSORDICT_ONLY = ("fastreplay.buffers.rows", "fastreplay.buffers.pinning")
 MAX_CORE_LINES = 400  # a core that grows past this is doing two things
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _path(module: str) -> Path:
-    relative = Path(*module.split(".")[1:])
-    package = PACKAGE / relative / "__init__.py"
-    return package if package.exists() else (PACKAGE / relative).with_suffix(".py")
-
-
 def _imported(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
     """``(line, module)`` for every module an import in ``source`` names, relative ones resolved.
 
     ``from X import a`` yields ``X.a`` where that is a fastreplay module, else ``X``.
     """
     package = module if is_package else module.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
-            for alias in node.names:
-                submodule = f"{target}.{alias.name}"
-                found.append(
-                    (node.lineno, submodule if _is_fastreplay_module(submodule) else target)
-                )
-    return found
-
-
-def _is_fastreplay_module(name: str) -> bool:
-    return name == "fastreplay" or (name.startswith("fastreplay.") and _path(name).exists())
+    return [
+        (node.lineno, name)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for name in imported_names(node, package)
+    ]
 
 
 def offending_imports(source: str, module: str, is_package: bool = False) -> list[str]:
@@ -89,7 +61,7 @@ def _core_files() -> list[Path]:
 
 
 def test_core_package_has_the_pure_cores() -> None:
-    names = {_module_name(p) for p in _core_files()}
+    names = {module_name(p) for p in _core_files()}
     assert {
         "fastreplay._core.trajectory_index",
         "fastreplay._core.slice_index",
@@ -101,12 +73,12 @@ def test_core_package_has_the_pure_cores() -> None:
 
 @pytest.mark.parametrize(
     "path",
-    [*_core_files(), *(_path(m) for m in PURE_OUTSIDE)],
+    [*_core_files(), *(module_path(m) for m in PURE_OUTSIDE)],
     ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_pure_modules_import_no_torchrl_or_tensordict(path: Path) -> None:
     source = path.read_text(encoding="utf-8")
-    assert not offending_imports(source, _module_name(path), path.name == "__init__.py")
+    assert not offending_imports(source, module_name(path), path.name == "__init__.py")
 
 
 @pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -117,7 +89,7 @@ def test_cores_stay_small(path: Path) -> None:
 
 @pytest.mark.parametrize("module", TENSORDICT_ONLY)
 def test_tensordict_helpers_import_no_torchrl(module: str) -> None:
-    path = _path(module)
+    path = module_path(module)
     imported = _imported(path.read_text(encoding="utf-8"), module, False)
     assert not [name for _, name in imported if name.split(".")[0] == "torchrl"]
     assert not [n for _, n in imported if n.startswith("fastreplay") and n != "fastreplay"]
@@ -201,7 +173,7 @@ def _import_all(root: Path, *extra: str) -> dict:
 
 def test_importing_every_core_module_loads_no_torchrl_or_tensordict() -> None:
     result = _import_all(PACKAGE, *PURE_OUTSIDE)
-    expected = {_module_name(p) for p in _core_files()} - {"fastreplay._core"}
+    expected = {module_name(p) for p in _core_files()} - {"fastreplay._core"}
     assert set(result["imported"]) == expected
     assert result["forbidden"] == []
     outside = [
