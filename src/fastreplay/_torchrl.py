@@ -466,8 +466,8 @@ def pads_short_slices(sampler: Any) -> bool:
     return bool(getattr(sampler, "pad_output", False)) or is_batch_time(sampler)
 
 
-LEFT_SPAN_MESSAGE = "Left spanning is disabled for "
-"""The start of ``PrioritizedSliceSampler``'s warning when ``span`` asks for a left span."""
+# ------------------------------------------------------------------ accessors: priority samplers
+# What fastreplay's PrioritizedSampler and PrioritizedSliceSampler read of TorchRL's internals.
 
 
 def _function(method: Any) -> Any:
@@ -618,6 +618,10 @@ def _short_batch_warning(requested: int, returned: int) -> str:
     )
 
 
+# ---------------------------------------------------------------------- accessors: slice samplers
+# What fastreplay's slice samplers and their trajectory-index adapter read of TorchRL's internals.
+
+
 # ---------------------------------------------------------------------- slice info
 def take(leaf: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """``leaf[index]``; with numpy for the boolean flags of a 1-dim CPU storage (4x faster)."""
@@ -763,6 +767,11 @@ class SliceSamplerBase(_SliceHooks, TorchRLSliceSampler):
 
 class SliceSamplerWithoutReplacementBase(_SliceHooks, TorchRLSliceSamplerWithoutReplacement):
     """TorchRL's ``SliceSamplerWithoutReplacement`` with :class:`_SliceHooks`."""
+
+
+# ---------------------------------------------------------------------- accessors: buffers
+# What fastreplay's buffers, sample units and staleness sampler read of TorchRL's buffers,
+# writers, storages and of tensordict's internals.
 
 
 # ---------------------------------------------------------------------- buffer bookkeeping
