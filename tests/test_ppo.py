@@ -797,6 +797,33 @@ def test_default_is_a_budget():
     assert rec.sizes == [256, 744]
 
 
+def test_default_budget_is_a_tenth_of_the_one_shot_footprint(monkeypatch):
+    # The floor lowered so that a small batch shows the rule: a tenth of the footprint measured
+    # on the first chunk (NORMAL64_BYTES a row, 10,256 rows), between the floor and the ceiling.
+    actor = normal_actor(torch.float64)
+    data = make_data(actor, (10_256,), torch.float64)
+    one_shot_bytes = 10_256 * NORMAL64_BYTES
+    monkeypatch.setattr(fastreplay.ppo, "MIN_DEFAULT_BUDGET", 1)
+    assert fastreplay.ppo.default_budget(one_shot_bytes, "cpu") == one_shot_bytes // 10
+    rec = recorder(actor)
+    rec.sizes.clear()
+    lp = chunked_log_prob(actor, data)
+    assert rec.sizes == [256] + [1025] * 9 + [775]
+    assert max(rec.sizes) * NORMAL64_BYTES <= one_shot_bytes / 10
+    assert_same64(lp, one_shot(actor, data))
+    # The floor: never below it, whatever the footprint.
+    monkeypatch.setattr(fastreplay.ppo, "MIN_DEFAULT_BUDGET", 2000 * NORMAL64_BYTES)
+    rec.sizes.clear()
+    chunked_log_prob(actor, data.copy())
+    assert rec.sizes == [256] + [2000] * 5
+    # The ceiling: default_max_memory of the device.
+    monkeypatch.setattr(fastreplay.ppo, "HOST_BUDGET", 500 * NORMAL64_BYTES)
+    rec.sizes.clear()
+    chunked_log_prob(actor, data.copy())
+    assert rec.sizes == [256] + [500] * 20
+    assert fastreplay.ppo.default_budget(10**12, "cpu") == 500 * NORMAL64_BYTES
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_default_budget_on_cuda_is_a_quarter_of_free_memory():
     free, _ = torch.cuda.mem_get_info()

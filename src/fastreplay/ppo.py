@@ -24,7 +24,7 @@ import torch
 from tensordict import NestedKey, TensorDict, TensorDictBase, is_tensor_collection
 from tensordict.nn import ProbabilisticTensorDictModule, ProbabilisticTensorDictSequential
 
-__all__ = ["chunked_log_prob", "default_max_memory"]
+__all__ = ["chunked_log_prob", "default_budget", "default_max_memory"]
 
 # Declared as an alias: type checkers then resolve ``actor``'s type in the public signature
 # (an undeclared ``X | Y`` of classes they cannot see is read as a variable, not a type).
@@ -68,8 +68,17 @@ _MEMORY = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
 #: are measured (smaller when the batch is).
 PROBE_ELEMENTS = 256
 
-#: The default budget on the host (and on accelerators whose free memory torch cannot tell).
+#: The default budget's ceiling on the host (and on accelerators whose free memory torch
+#: cannot tell).
 HOST_BUDGET = 2**30
+
+#: By default a chunk holds at most this fraction (1 / ``DEFAULT_SHARE``) of what the one-shot
+#: call would hold at once, as measured on the first chunk.
+DEFAULT_SHARE = 10
+
+#: The default budget's floor: below it, calls of a few thousand rows cost more in per-call
+#: overhead (kernel launches, TensorDict slicing) than they save in memory.
+MIN_DEFAULT_BUDGET = 64 * 2**20
 
 
 def _check_max_memory(max_memory: Any) -> int:
@@ -104,11 +113,12 @@ def _check_max_memory(max_memory: Any) -> int:
 
 
 def default_max_memory(device: torch.device | str | None) -> int:
-    """The memory budget ``chunked_log_prob`` uses when given neither size.
+    """The ceiling of the memory budget ``chunked_log_prob`` uses when given neither size.
 
-    On a CUDA device: a quarter of its free memory (``torch.cuda.mem_get_info``), so a batch
-    that fits comfortably is one or a few chunks, at one-shot speed. Elsewhere (the host, or
-    ``device=None``): 1 GiB (:data:`HOST_BUDGET`). O(1).
+    On a CUDA device: a quarter of its free memory (``torch.cuda.mem_get_info``). Elsewhere
+    (the host, or ``device=None``): 1 GiB (:data:`HOST_BUDGET`). The budget itself is
+    :func:`default_budget`: a tenth of the one-shot footprint, between
+    :data:`MIN_DEFAULT_BUDGET` and this ceiling. O(1).
 
     Args:
         device: The device of the data.
@@ -122,6 +132,32 @@ def default_max_memory(device: torch.device | str | None) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, free // 4)
     return HOST_BUDGET
+
+
+def default_budget(one_shot_bytes: int, device: torch.device | str | None) -> int:
+    """The memory budget of a ``chunked_log_prob`` call given neither size.
+
+    ``one_shot_bytes // DEFAULT_SHARE`` (a tenth of what the one-shot call would hold at once),
+    raised to :data:`MIN_DEFAULT_BUDGET` (64 MiB: smaller calls are overhead-bound) and capped
+    at :func:`default_max_memory` (a quarter of a CUDA device's free memory, 1 GiB on the host).
+    So a batch whose one-shot footprint is below 640 MiB runs in few calls at about one-shot
+    speed, and a larger one in at least ten, each under a tenth of the one-shot memory. O(1).
+
+    Args:
+        one_shot_bytes: What the one-shot call would hold at once (bytes per element, measured
+            on the first chunk, times the elements).
+        device: The device of the data.
+
+    Example:
+        >>> default_budget(100 * 2**30, "cpu") == 2**30  # capped on the host
+        True
+        >>> default_budget(5 * 2**30, "cpu") == 5 * 2**30 // 10  # a tenth of the footprint
+        True
+        >>> default_budget(2**20, "cpu") == MIN_DEFAULT_BUDGET
+        True
+    """
+    ceiling = default_max_memory(device)
+    return min(ceiling, max(MIN_DEFAULT_BUDGET, one_shot_bytes // DEFAULT_SHARE))
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -316,11 +352,13 @@ def _chunked(
     lp_keys: list[NestedKey],
     rows: int,
     budget: int | None,
+    default: bool = False,
 ) -> list[torch.Tensor]:
     """The log-probs of ``flat``'s rows, ``rows`` at a time, into pre-allocated outputs.
 
     With ``budget``, the first chunk measures the bytes per row (:func:`_counting_outputs`)
-    and sets ``rows`` for the others. O(rows of ``flat``).
+    and sets ``rows`` for the others; with ``default``, the budget is then
+    :func:`default_budget` of the whole batch's footprint. O(rows of ``flat``).
     """
     outputs: list[torch.Tensor] = []
     n_rows = flat.batch_size[0]
@@ -331,6 +369,8 @@ def _chunked(
             with _counting_outputs(actor) as produced:
                 results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
             used = produced[0] + sum(map(_tensor_bytes, results))
+            if default:
+                budget = default_budget(used * n_rows // (stop - start), results[0].device)
             rows = max(1, budget * (stop - start) // used) if used else n_rows
         else:
             results = _chunk_log_probs(actor, flat[start:stop], lp_keys)
@@ -383,8 +423,9 @@ def chunked_log_prob(
     chunk held at once under ``no_grad`` (distribution temporaries aside), divided by the
     chunk's rows, gives the bytes per row, and the remaining chunks hold
     ``max_memory // bytes_per_row`` rows (at least one row, one whole sequence). With neither
-    argument the budget is :func:`default_max_memory`: a quarter of the free memory of a CUDA
-    ``data.device``, 1 GiB on the host.
+    argument the budget is :func:`default_budget`: a tenth of the one-shot footprint measured
+    that way, at least 64 MiB, at most a quarter of the free memory of a CUDA ``data.device``
+    (1 GiB on the host).
 
     Complexity: O(batch) time, like the one-shot call; peak extra memory O(chunk_size) (about
     ``max_memory``) for the actor's activations and distribution parameters, plus the O(batch)
@@ -409,7 +450,7 @@ def chunked_log_prob(
             every batch element as independent.
         max_memory: Memory budget for one chunk's activations and results, in bytes or as a
             string (``"1GiB"``, ``"512MB"``: units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB).
-            ``None`` (default, without ``chunk_size``): :func:`default_max_memory`. Not with
+            ``None`` (default, without ``chunk_size``): :func:`default_budget`. Not with
             ``chunk_size``.
 
     Returns:
@@ -455,8 +496,9 @@ def chunked_log_prob(
     out_keys = _resolve_out_keys(out_key, actor)
     action_keys = _validate(actor, data, out_keys)
     lp_keys = list(actor.log_prob_keys)
-    if chunk_size is None and budget is None:
-        budget = default_max_memory(data.device)
+    default = chunk_size is None and budget is None
+    if default:
+        budget = MIN_DEFAULT_BUDGET  # set from the first chunk (default_budget)
 
     batch_size = data.batch_size
     numel = batch_size.numel()
@@ -489,7 +531,7 @@ def chunked_log_prob(
             # sequences kept whole): the one-shot call itself, on ``data``'s own shape.
             outputs = _chunk_log_probs(actor, src, lp_keys)
         else:
-            outputs = _chunked(actor, flat, lp_keys, rows, budget)
+            outputs = _chunked(actor, flat, lp_keys, rows, budget, default)
 
     if one_call:
         shaped = outputs
