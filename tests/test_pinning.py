@@ -1,4 +1,4 @@
-"""``fastreplay.TensorDictReplayBuffer`` / ``TensorDictPrioritizedReplayBuffer`` pinned samples (``pin_memory``, ``device``).
+"""fastreplay's TensorDict buffers: pinned samples (``pin_memory``, ``device``).
 
 Without CUDA, the pinning step is observed instead of run: ``fake_pinning`` pretends an
 accelerator exists and replaces the one pinning hook with "clone and remember the clone's
