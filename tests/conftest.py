@@ -8,6 +8,7 @@ import gc
 import importlib
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -15,6 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The "triton" tree backend's kernels run on CPU tensors under Triton's interpreter. It is
+    # chosen when triton is imported (tensordict imports it), so before anything else is.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fastreplay._core.trees.interface import available_backends
 from fastreplay._torchrl import (
@@ -161,6 +167,11 @@ requires_cuda = pytest.mark.skipif(
 requires_numba = pytest.mark.skipif(
     "numba" not in available_backends(),
     reason="numba is not installed here (optional extra 'fast'): only the torch backend runs",
+)
+requires_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="triton is not installed here (it ships with torch's CUDA builds): the triton tree "
+    "backend's kernels are not run",
 )
 
 

@@ -72,12 +72,12 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Counter]:
 
 
 def _step_counts(
-    capacity: int, batch: int, monkeypatch: pytest.MonkeyPatch
+    capacity: int, batch: int, monkeypatch: pytest.MonkeyPatch, backend: str = "device"
 ) -> dict[str, tuple[int, int]]:
     """(ops, host reads) of each part of a PER step, with the index on the device."""
     # A CUDA writer's index lives on the device: mark_update then checks nothing on the host.
     monkeypatch.setattr(device_backend, "on_host", lambda index: False)
-    sampler = PrioritizedSampler(capacity, 0.6, 0.4, backend="device")
+    sampler = PrioritizedSampler(capacity, 0.6, 0.4, backend=backend)
     sampler._rng = torch.Generator().manual_seed(0)  # on CUDA: torch.rand on the device
     rb = TensorDictReplayBuffer(
         storage=LazyTensorStorage(capacity), sampler=sampler, priority_key="td_error"

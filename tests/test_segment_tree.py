@@ -6,6 +6,7 @@ must hold the same leaves and answer searches identically.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import pickle
 
@@ -173,8 +174,12 @@ def test_make_trees_picks_and_rejects_backends(monkeypatch: pytest.MonkeyPatch) 
     assert isinstance(make_trees(7, backend="torch"), PriorityTrees)
     assert make_trees(7, device="meta").backend == "device"  # not the CPU: device trees
     assert make_trees(7, backend="torch", device="meta").backend == "torch"
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(ValueError, match=r"backend='triton' needs the triton package"):
+            make_trees(7, backend="triton")
     with pytest.raises(
-        ValueError, match=r"backend must be None, 'torch', 'numba' or 'device', got backend='cpp'"
+        ValueError,
+        match=r"backend must be None, 'torch', 'numba', 'device' or 'triton', got backend='cpp'",
     ):
         make_trees(7, backend="cpp")
     cuda_error = "keeps the priority trees on the CPU" if expected == "numba" else "needs the numba"

@@ -12,7 +12,9 @@ torch code moving the same data (no TensorDict, no TorchRL), on ``--gpu-device``
   ``td_error``, ``update_tensordict_priority``. TorchRL's sampler needs its compiled segment
   trees (absent from the package index's CUDA wheels): where it raises, its time is missing
   and the reason recorded. Floor: ``multinomial`` over a priority vector, five gathers, the
-  weights, one ``index_put_`` of the new priorities.
+  weights, one ``index_put_`` of the new priorities. Where triton is installed, the same
+  buffer with ``PrioritizedSampler(..., backend="triton")`` is timed too (its trees' walk and
+  writes as one Triton kernel each), in ``extra["fastreplay_triton_trees_s"]``.
 * ``slice online step``: a TD-MPC2-like buffer (episodes of 500 steps under ``episode``),
   ``SliceSampler(slice_len=4, traj_key="episode")``; per step ``extend`` one episode, then
   sample ``--gpu-batch`` slices of 4. ``slice static sample``: the sample alone. Floor: random
@@ -37,6 +39,8 @@ ones. Without CUDA the scenario is not measured (the reason says so) unless
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -141,10 +145,16 @@ def _per(args: argparse.Namespace, device: torch.device, n: int, batch: int) -> 
     fns: dict[str, Callable[[], object]] = {}
     extra: dict[str, Any] = {}
     buffers: dict[str, Any] = {}
-    makers = {
+    makers: dict[str, tuple[Any, Any]] = {
         "fastreplay": (TensorDictReplayBuffer, PrioritizedSampler),
         "torchrl": (TorchRLBuffer, TorchRLPrioritizedSampler),
     }
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        # the same buffer with the trees' walk and writes as Triton kernels (backend="triton")
+        makers["fastreplay_triton"] = (
+            TensorDictReplayBuffer,
+            functools.partial(PrioritizedSampler, backend="triton"),
+        )
     for side, (cls, sampler_cls) in makers.items():
         try:
             rb = cls(
@@ -204,6 +214,8 @@ def _per(args: argparse.Namespace, device: torch.device, n: int, batch: int) -> 
             weight = out["priority_weight"]
         correct &= bool(((weight > 0) & (weight <= 1 + 1e-6)).all())
     times = interleaved_seconds(fns, repeats=args.repeats)
+    if "fastreplay_triton" in times:
+        extra["fastreplay_triton_trees_s"] = times["fastreplay_triton"]
     return Result(
         scenario=NAME,
         case=f"PER step (extend 1, sample {batch}, update), {fmt_count(n)}, {device.type}",

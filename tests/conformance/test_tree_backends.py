@@ -22,15 +22,33 @@ from torchrl.data import LazyTensorStorage
 
 import fastreplay._core.trees.numba_backend as numba_trees
 from conformance.conftest import TORCHRL_BUFFER, extend_in_two, make_buffer
-from conftest import requires_cuda, requires_numba, requires_torchrl_ext
+from conftest import requires_cuda, requires_numba, requires_torchrl_ext, requires_triton
 from fastreplay import PrioritizedSampler
 from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees
 from fastreplay._core.trees.torch_backend import PriorityTrees
 
 
-@pytest.fixture(params=["torch", pytest.param("numba", marks=requires_numba), "device"])
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param("numba", marks=requires_numba),
+        "device",
+        pytest.param(
+            "triton",
+            marks=[
+                requires_triton,
+                pytest.mark.skipif(
+                    torch.cuda.is_available(),
+                    reason="triton trees on these CPU storages need Triton's interpreter, which "
+                    "is not used where a GPU is: tests/test_triton_trees.py runs them on it",
+                ),
+            ],
+        ),
+    ]
+)
 def backend(request: pytest.FixtureRequest) -> str:
-    """conftest's ``backend`` plus the device backend (the default off the CPU)."""
+    """conftest's ``backend``, plus the device backend (the default off the CPU) and the triton
+    backend (its kernels under Triton's CPU interpreter here)."""
     return request.param
 
 

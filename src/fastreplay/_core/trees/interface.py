@@ -1,13 +1,16 @@
 """Priority-tree backends: their interface, which ones run here, a factory (no TorchRL imports).
 
-Three backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
+Four backends implement :class:`PriorityTreeBackend` completely: ``"torch"``
 (:class:`fastreplay._core.trees.torch_backend.PriorityTrees`: pure torch, any device, always
 available), ``"numba"`` (:class:`fastreplay._core.trees.numba_backend.NumbaPriorityTrees`:
 compiled loops on the CPU, when numba is installed) and ``"device"``
 (:class:`fastreplay._core.trees.device_backend.DevicePriorityTrees`: pure torch in a fixed
 depth-3 layout whose sampling and writes read nothing back to the host, the default on
 accelerators; float64 masses by ``torch.pow``, which may differ from the C library's in the
-last bit). Fed the same calls on the CPU, the torch and numba backends hold
+last bit), and ``"triton"`` (:class:`fastreplay._core.trees.triton_backend.TritonPriorityTrees`:
+the device layout with its walk and each write as one Triton kernel; asked for by name, where
+the optional triton package runs). Fed the same calls on the CPU, the torch and numba backends
+hold
 bit-for-bit the same leaves (raw priorities and masses, whose ``pow`` is the C library's on
 both: :func:`fastreplay._core.trees.ops.c_pow`) and return the same weights for the same leaves.
 Their inner nodes sum the children in different orders (each vectorizes its own way), so with
@@ -36,7 +39,7 @@ from fastreplay._core.trees.torch_backend import PriorityTrees
 
 __all__ = ["BACKENDS", "PriorityTreeBackend", "available_backends", "make_trees", "move_trees"]
 
-BACKENDS = ("torch", "numba", "device")
+BACKENDS = ("torch", "numba", "device", "triton")
 
 
 class PriorityTreeBackend(Protocol):
@@ -238,7 +241,9 @@ def make_trees(
         capacity: number of leaf slots.
         backend: ``"numba"`` (compiled loops, CPU only, needs the optional numba),
             ``"torch"`` (pure torch, any device), ``"device"`` (pure torch, fixed depth, no
-            host reads when sampling or writing: for accelerators) or ``None``: ``"device"``
+            host reads when sampling or writing: for accelerators), ``"triton"`` (the device
+            layout with its walk and writes as one Triton kernel each: CUDA, needs triton)
+            or ``None``: ``"device"``
             off the CPU; on the CPU numba when it is installed, else torch.
         device: where the trees live (CPU by default).
         branching: fan-out of every internal node; ``None`` takes the backend's default
@@ -259,15 +264,19 @@ def make_trees(
 
     if backend is not None and backend not in BACKENDS:
         raise ValueError(
-            f"backend must be None, 'torch', 'numba' or 'device', got backend={backend!r}; "
-            "None picks 'device' for trees off the CPU, and on the CPU numba when it is "
-            "installed, else torch"
+            f"backend must be None, 'torch', 'numba', 'device' or 'triton', got "
+            f"backend={backend!r}; None picks 'device' for trees off the CPU, and on the CPU "
+            "numba when it is installed, else torch"
         )
     on_cpu = device is None or torch.device(device).type == "cpu"
     if backend is None:
         backend = ("numba" if NUMBA_AVAILABLE else "torch") if on_cpu else "device"
     if backend == "device":
         return DevicePriorityTrees(capacity, device=device, branching=branching)
+    if backend == "triton":
+        from fastreplay._core.trees.triton_backend import TritonPriorityTrees
+
+        return TritonPriorityTrees(capacity, device=device, branching=branching)
     if backend == "numba":
         if not NUMBA_AVAILABLE:
             raise ValueError(
@@ -300,7 +309,7 @@ def move_trees(
         'torch'
     """
     device = torch.device(device)
-    if backend is None and device.type != "cpu" and trees.backend != "device":
+    if backend is None and device.type != "cpu" and trees.backend not in ("device", "triton"):
         moved = make_trees(trees.capacity, backend="device", device=device)
         moved.set_leaves(trees.leaf_mass(), trees.raw())
         return moved
