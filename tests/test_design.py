@@ -39,10 +39,10 @@ import fastreplay
 from conftest import PACKAGE, imported_names, module_name
 
 # --------------------------------------------------------------------------------- ceilings
-PRIVATE_IN_COMPAT = 25  # in _torchrl.py (or a _compat/ package)
-PRIVATE_OUTSIDE_COMPAT = 123
+PRIVATE_IN_COMPAT = 28  # in _torchrl.py (or a _compat/ package)
+PRIVATE_OUTSIDE_COMPAT = 117
 PRIVATE_IN_CORE = 0  # the pure core never touches TorchRL's or tensordict's internals
-LONGEST_MRO = 13  # PrioritizedSliceSampler
+LONGEST_MRO = 11  # PrioritizedSliceSampler
 # Each cycle: the modules of one strongly connected component of the import graph.
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
@@ -52,18 +52,8 @@ def _names(text: str) -> frozenset[str]:
 
 
 # What the pure core's mixins read from the sampler that hosts them, per module.
-SAMPLER_READS_IN_CORE: dict[str, frozenset[str]] = {
-    "fastreplay._core.priority_checkpoint": _names(
-        """_all_time_at _all_time_index _all_time_max _alpha _alpha_as_given _beta _beta_as_given
-        _eps _find_written_end _grow _initial_priority _max_capacity _max_priority_within_buffer
-        _slots _trees _upper_priority _written_end dtype"""
-    ),
-    "fastreplay._core.trees.views": _names(
-        """_all_time_index _all_time_max _max_priority_within_buffer _slots _trees device
-        dtype"""
-    ),
-}
-SAMPLER_READS_IN_CORE_CEILING = 25  # module-attribute pairs in SAMPLER_READS_IN_CORE
+SAMPLER_READS_IN_CORE: dict[str, frozenset[str]] = {}
+SAMPLER_READS_IN_CORE_CEILING = 0  # module-attribute pairs in SAMPLER_READS_IN_CORE
 
 # Private names of Python or torch, not of TorchRL or tensordict.
 NOT_TORCHRL = {

@@ -470,6 +470,36 @@ def pads_short_slices(sampler: Any) -> bool:
 # What fastreplay's PrioritizedSampler and PrioritizedSliceSampler read of TorchRL's internals.
 
 
+def sampler_rng(sampler: Any) -> torch.Generator | None:
+    """The generator ``sampler`` draws from (``Sampler._rng``), or ``None``. O(1).
+
+    ``ReplayBuffer.set_rng`` (a buffer built with ``generator=``) assigns it to the buffer's
+    sampler; TorchRL's ``Sampler`` declares it as a class attribute, ``None``, which means
+    "the global RNG". Read the same on TorchRL 0.13.3, 0.14.1 and the nightly 2026.10.27.
+    """
+    return sampler._rng
+
+
+def tree_device_from_storage(sampler: Any, storage: Any) -> torch.device | None:
+    """The device TorchRL's ``PrioritizedSampler`` puts its trees on for ``storage``. O(1).
+
+    ``PrioritizedSampler._tree_device_from_storage``: the sampler's own ``_device`` where one
+    was given, else a CUDA storage's device, else ``None`` (the trees stay where they are).
+    The same code on TorchRL 0.13.3, 0.14.1 and the nightly 2026.10.27.
+    """
+    return sampler._tree_device_from_storage(storage)
+
+
+def storage_rows(storage: Any) -> int:
+    """Rows stored along the storage's first dimension (``TensorStorage._len_along_dim0``).
+
+    ``len(storage)`` divided by the size of the other dimensions, rounded up, for an
+    ``ndim > 1`` storage; 0 where TorchRL gives ``None`` (no data yet). O(1). Read the same
+    on TorchRL 0.13.3, 0.14.1 and the nightly 2026.10.27.
+    """
+    return int(storage._len_along_dim0 or 0)
+
+
 def _function(method: Any) -> Any:
     """The plain function under ``method``'s decorators (``__wrapped__``, or a closure cell)."""
     method = inspect.unwrap(method)

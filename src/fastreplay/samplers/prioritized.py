@@ -4,29 +4,43 @@ A thin adapter: it maps TorchRL's sampler contract (arguments, scalar types, ind
 ``mark_update``, the default priority) onto the tree interface
 :class:`fastreplay._core.trees.interface.PriorityTreeBackend`, which both tree backends implement
 (:mod:`fastreplay._core.trees.numba_backend`, compiled loops, the default when numba is installed;
-:mod:`fastreplay._core.trees.torch_backend`, pure torch, otherwise). Checkpoints live in
-:mod:`fastreplay._core.priority_checkpoint`, TorchRL's private tree views in
-:mod:`fastreplay._core.trees.views`.
+:mod:`fastreplay._core.trees.torch_backend`, pure torch, otherwise). Checkpoints are encoded
+and decoded by :mod:`fastreplay._core.priority_checkpoint`, TorchRL's private tree views
+answered by :mod:`fastreplay._core.trees.views`; the sampler owns its trees and settings and
+hands them to both.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastreplay._core.priority_checkpoint import PriorityCheckpoints
+from fastreplay._core import priority_checkpoint as checkpoint
 from fastreplay._core.priority_common import FLOAT_DTYPES as _FLOAT_DTYPES
 from fastreplay._core.priority_common import locked as _locked
 from fastreplay._core.priority_common import scalar as _scalar
 from fastreplay._core.trees.interface import PriorityTreeBackend, make_trees, move_trees
 from fastreplay._core.trees.ops import check_mass, mass_of
-from fastreplay._core.trees.views import TorchRLTreeViews
+from fastreplay._core.trees.views import (
+    MAX_PRIORITY_READ_ONLY,
+    TREE_READ_ONLY,
+    MinTreeView,
+    SumTreeView,
+    max_priority,
+)
 from fastreplay._signature import ConstructorSignature
-from fastreplay._torchrl import Storage, storage_len, storage_slots
+from fastreplay._torchrl import (
+    Storage,
+    sampler_rng,
+    storage_len,
+    storage_slots,
+    tree_device_from_storage,
+)
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 from fastreplay.errors import (
     CheckpointError,
@@ -60,7 +74,7 @@ def uniform_draws(n: int, generator: torch.Generator | None, device: torch.devic
     return torch.rand(n, dtype=torch.float64, device=rand_device, generator=generator)
 
 
-class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioritizedSampler):
+class PrioritizedSampler(_TorchRLPrioritizedSampler):
     r"""Prioritized Experience Replay sampler whose default priority is the live in-buffer max.
 
     Same arguments and contract as :class:`torchrl.data.PrioritizedSampler` (Schaul et al.
@@ -280,7 +294,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
         device = self._device if self._device is not None else getattr(storage, "device", None)
         if device is None or device == self._trees.device or device in ("auto", "cpu"):
             return
-        device = self._tree_device_from_storage(storage)
+        device = tree_device_from_storage(self, storage)
         if device is not None and device != self._trees.device:
             # keeping the priorities (TorchRL resets them); raises before anything changes
             # where the chosen backend cannot live
@@ -633,7 +647,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
             )
         f32 = self.dtype == torch.float32
         if self._samples_on_device(stored, f32):  # device trees: no host read
-            draw = uniform_draws(batch_size, self._rng, self.device)
+            draw = uniform_draws(batch_size, sampler_rng(self), self.device)
             index, weight = self._trees.sample_live(draw, self._beta, f32)  # type: ignore[attr-defined]
             if storage.ndim > 1:
                 index = torch.unravel_index(index, tuple(storage.shape))
@@ -656,7 +670,7 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
                 "Cannot compute importance weights: a stored item has priority 0 with "
                 f"eps={self._eps}, so (p_i / p_min) ** -beta is undefined; use eps > 0."
             )
-        draw = uniform_draws(batch_size, self._rng, self.device)
+        draw = uniform_draws(batch_size, sampler_rng(self), self.device)
         index, weight = self._trees.sample(draw, total, m_min, self._beta, f32, limit)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))
@@ -679,9 +693,107 @@ class PrioritizedSampler(PriorityCheckpoints, TorchRLTreeViews, _TorchRLPrioriti
             floor = math.inf
         return float(np.float32(floor)) > 0 if f32 else floor > 0
 
-    def _all_time_index(self) -> int | None:
-        """Slot where the all-time max priority was set (``max_priority_within_buffer=False``)."""
-        return self._all_time_at
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_settings(self) -> dict[str, Any]:
+        """The hyper-parameters a checkpoint stores (see :mod:`.priority_checkpoint`). O(1)."""
+        return checkpoint.metadata(
+            max_capacity=self._max_capacity,
+            alpha=self._alpha,
+            beta=self._beta,
+            eps=self._eps,
+            upper_priority=self._upper_priority,
+            initial_priority=self._initial_priority,
+            all_time_max=self._all_time_max,
+            max_priority_within_buffer=self._max_priority_within_buffer,
+            dtype=self.dtype,
+            all_time_index=self._all_time_at,
+        )
+
+    def _restore(self, saved: checkpoint.PriorityCheckpoint) -> None:
+        """Assign a validated checkpoint: settings, then the leaves. O(capacity); never raises."""
+        if saved.mass.numel() > self._slots:
+            self._grow(saved.mass.numel())
+        mass, raw = saved.leaves(self._slots)
+        self._alpha = self._alpha_as_given = saved.alpha
+        self._beta = self._beta_as_given = saved.beta
+        self._eps = saved.eps
+        self._upper_priority = saved.upper_priority
+        self._initial_priority = saved.initial_priority
+        self._all_time_max = saved.all_time_max
+        self._all_time_at = saved.all_time_index
+        self._max_priority_within_buffer = saved.max_priority_within_buffer
+        self.dtype = saved.dtype
+        self._trees.set_leaves(mass, raw)
+        self._written_end = self._find_written_end()
+
+    @_locked
+    def state_dict(self) -> dict[str, Any]:
+        """Hyper-parameters plus the leaf arrays (mass and raw priority), cloned. O(capacity)."""
+        return checkpoint.state_dict(self._checkpoint_settings(), self._trees)
+
+    @_locked
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output exactly; trees rebuilt vectorized in O(capacity).
+
+        Raises:
+            CheckpointError: a TorchRL sampler's state dict, another capacity, or missing or
+                damaged entries. Checked before anything changes.
+        """
+        self._restore(checkpoint.read_state_dict(state_dict, self._max_capacity))
+
+    @_locked
+    def dumps(self, path: str | Path) -> None:
+        """Write ``sampler_metadata.json`` and two ``.npy`` leaf arrays under ``path``."""
+        checkpoint.dump(path, self._checkpoint_settings(), self._trees)
+
+    @_locked
+    def loads(self, path: str | Path) -> None:
+        """Load what :meth:`dumps` wrote; O(capacity), vectorized.
+
+        Raises:
+            CheckpointError: a TorchRL ``dumps`` folder, another capacity, or missing or
+                damaged files. Checked before anything changes.
+        """
+        self._restore(checkpoint.read_folder(path, self._max_capacity))
+
+    # ------------------------------------------------------------------ TorchRL's tree views
+    @property
+    def _sum_tree(self) -> SumTreeView:
+        """Read-only view answering like TorchRL's compiled sum tree.
+
+        Supports ``[i]``, ``at``, ``query``, ``scan_lower_bound``; backed by this sampler's trees.
+        """
+        return SumTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
+
+    @_sum_tree.setter
+    def _sum_tree(self, value: Any) -> None:
+        raise AttributeError(TREE_READ_ONLY.format(name="_sum_tree"))
+
+    @property
+    def _min_tree(self) -> MinTreeView:
+        """Read-only view answering like TorchRL's compiled min tree (``[i]``, ``query``)."""
+        return MinTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
+
+    @_min_tree.setter
+    def _min_tree(self, value: Any) -> None:
+        raise AttributeError(TREE_READ_ONLY.format(name="_min_tree"))
+
+    @property
+    def _max_priority(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(max priority, its flat slot)`` as TorchRL keeps it, or ``(None, None)``.
+
+        With ``max_priority_within_buffer=True`` the live max over stored items and its slot
+        (O(capacity) to find the slot); otherwise the all-time max and where it was set.
+        Values are 0-dim tensors on :attr:`device` (the priority in ``dtype``).
+        """
+        all_time = None
+        if not self._max_priority_within_buffer:
+            all_time = (self._all_time_max, self._all_time_at)
+        return max_priority(self._trees, self.dtype, all_time)
+
+    @_max_priority.setter
+    def _max_priority(self, value: Any) -> None:
+        raise AttributeError(MAX_PRIORITY_READ_ONLY)
 
     def __repr__(self) -> str:
         return (

@@ -25,7 +25,9 @@ from fastreplay._torchrl import (
     STATIC_BOUNDARIES,
     TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
+    sampler_rng,
     storage_len,
+    storage_rows,
     truncation_flags,
     warn_left_span_disabled,
 )
@@ -257,7 +259,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
             want = n - slots.size
             rate = (accepted + 1) / (drawn + 1)
             m = min(max(want, math.ceil(1.25 * want / rate)), _MAX_DRAWS_PER_SLICE * n - drawn)
-            draw = uniform_draws(m, self._rng, self.device)
+            draw = uniform_draws(m, sampler_rng(self), self.device)
             slot = self._trees.search(draw.to(self.device) * total).cpu().numpy()
             pos, length = locate(slot // columns, slot % columns)
             ok = self._fr_valid(pos, length, k)
@@ -284,7 +286,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                 "Cannot sample: no valid slice start has a positive priority mass "
                 f"(eps={self._eps}); raise the priorities of trajectory starts or use eps > 0."
             )
-        draw = uniform_draws(n, self._rng, torch.device("cpu")) * cum[-1]
+        draw = uniform_draws(n, sampler_rng(self), torch.device("cpu")) * cum[-1]
         pick = torch.searchsorted(cum, draw, right=True).clamp_max_(slot.size - 1).numpy()
         return slot[pick], left[pick]
 
@@ -313,7 +315,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         if not total > 0 or not m_min > 0:
             PrioritizedSampler.sample(self, storage, 1)  # raises its clear error
         columns = math.prod(storage.shape[1:]) if storage.ndim > 1 else 1
-        stored = int(storage._len_along_dim0 or 0) * columns
+        stored = storage_rows(storage) * columns
         slot, left = self._fr_draw(num_slices, k, locate, columns, stored, total)
         slot_t = torch.from_numpy(slot)
         weight = torch.pow(self._trees.mass(slot_t.to(self.device)).cpu() / m_min, -self._beta)

@@ -7,8 +7,8 @@ trees (a :class:`fastreplay._core.trees.interface.PriorityTreeBackend`, any back
 return types: an int index gives a Python float, a NumPy array gives a NumPy array of the tree
 dtype, a tensor gives a tensor of the same shape (a 0-dim tensor gives a Python float, as the
 compiled trees do). Writing through them raises :class:`TypeError`: priorities change through
-``update_priority``. :class:`TorchRLTreeViews` wires them (and TorchRL's ``_max_priority`` pair)
-into the sampler as read-only properties.
+``update_priority``. The sampler exposes them (and TorchRL's ``_max_priority`` pair, from
+:func:`max_priority`) as read-only properties.
 
 Costs: point reads O(k); ``query`` over every slot O(1) (the tree root), over a sub-range
 O(capacity) (vectorized); ``scan_lower_bound`` O(k log capacity).
@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from fastreplay._core.trees.interface import PriorityTreeBackend
 
-__all__ = ["MinTreeView", "SumTreeView", "TorchRLTreeViews"]
+__all__ = [
+    "MAX_PRIORITY_READ_ONLY",
+    "TREE_READ_ONLY",
+    "MinTreeView",
+    "SumTreeView",
+    "max_priority",
+]
 
 _READ_ONLY = (
     "{name} is a read-only view of fastreplay's priority trees; set priorities with "
@@ -261,78 +267,46 @@ class MinTreeView(_TreeView):
         return self.identity_element if value == math.inf else value
 
 
-class TorchRLTreeViews:
-    """``_sum_tree``, ``_min_tree`` and ``_max_priority`` of a prioritized sampler (a mixin).
+def max_priority(
+    trees: PriorityTreeBackend,
+    dtype: torch.dtype,
+    all_time: tuple[float, int | None] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """TorchRL's ``_max_priority`` pair: ``(max priority, its flat slot)``, or ``(None, None)``.
 
-    TorchRL's sampler keeps these as attributes; here they are read-only properties derived
-    from the sampler's trees (``_trees``, ``_slots``, ``dtype``; ``_all_time_max`` and
-    ``_all_time_index()`` for ``max_priority_within_buffer=False``).
+    Args:
+        trees: the sampler's tree backend.
+        dtype: the sampler's ``dtype``: that of the returned priority.
+        all_time: ``None`` for the live max over stored items and its slot (the first slot
+            holding it); else ``(all-time max, slot where it was set or None)``.
+
+    Returns:
+        0-dim tensors on the trees' device (the priority in ``dtype``). O(1), plus
+        O(capacity) to find the slot of the live max.
     """
+    if all_time is None:
+        value = trees.max_raw()
+        if value == -math.inf:
+            return None, None
+        index: int | None = int(torch.argmax(trees.raw()))
+    else:
+        value, index = all_time
+        if value == -math.inf:
+            return None, None
+    device = trees.device
+    priority = torch.tensor(value, dtype=dtype, device=device)
+    slot = None if index is None else torch.tensor(index, device=device)
+    return priority, slot
 
-    _trees: PriorityTreeBackend
-    _slots: int
-    _max_priority_within_buffer: bool
-    _all_time_max: float
-    dtype: torch.dtype
 
-    if TYPE_CHECKING:
+TREE_READ_ONLY = (
+    "{name} is a read-only view of fastreplay's priority trees; use "
+    "update_priority or load_state_dict to change priorities"
+)
+"""Message of the error assigning ``_sum_tree`` or ``_min_tree`` raises."""
 
-        @property
-        def device(self) -> torch.device: ...
-        def _all_time_index(self) -> int | None: ...
-
-    @property
-    def _sum_tree(self) -> SumTreeView:
-        """Read-only view answering like TorchRL's compiled sum tree.
-
-        Supports ``[i]``, ``at``, ``query``, ``scan_lower_bound``; backed by this sampler's trees.
-        """
-        return SumTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
-
-    @_sum_tree.setter
-    def _sum_tree(self, value: Any) -> None:
-        raise AttributeError(
-            "_sum_tree is a read-only view of fastreplay's priority trees; use "
-            "update_priority or load_state_dict to change priorities"
-        )
-
-    @property
-    def _min_tree(self) -> MinTreeView:
-        """Read-only view answering like TorchRL's compiled min tree (``[i]``, ``query``)."""
-        return MinTreeView(lambda: self._trees, lambda: self.dtype, lambda: self._slots)
-
-    @_min_tree.setter
-    def _min_tree(self, value: Any) -> None:
-        raise AttributeError(
-            "_min_tree is a read-only view of fastreplay's priority trees; use "
-            "update_priority or load_state_dict to change priorities"
-        )
-
-    @property
-    def _max_priority(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(max priority, its flat slot)`` as TorchRL keeps it, or ``(None, None)``.
-
-        With ``max_priority_within_buffer=True`` the live max over stored items and its slot
-        (O(capacity) to find the slot); otherwise the all-time max and where it was set.
-        Values are 0-dim tensors on :attr:`device` (the priority in ``dtype``).
-        """
-        if self._max_priority_within_buffer:
-            value = self._trees.max_raw()
-            if value == -math.inf:
-                return None, None
-            index: int | None = int(torch.argmax(self._trees.raw()))
-        else:
-            value = self._all_time_max
-            if value == -math.inf:
-                return None, None
-            index = self._all_time_index()
-        priority = torch.tensor(value, dtype=self.dtype, device=self.device)
-        slot = None if index is None else torch.tensor(index, device=self.device)
-        return priority, slot
-
-    @_max_priority.setter
-    def _max_priority(self, value: Any) -> None:
-        raise AttributeError(
-            "_max_priority is a read-only view in fastreplay: the max priority is derived "
-            "from the stored priorities (see default_priority, upper_priority)"
-        )
+MAX_PRIORITY_READ_ONLY = (
+    "_max_priority is a read-only view in fastreplay: the max priority is derived "
+    "from the stored priorities (see default_priority, upper_priority)"
+)
+"""Message of the error assigning ``_max_priority`` raises."""
