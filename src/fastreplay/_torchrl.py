@@ -650,8 +650,8 @@ def sampler_generator(sampler: Any) -> torch.Generator | None:
 def batch_size_multiplier(sampler: Any) -> int | None:
     """``SliceSampler._batch_size_multiplier``: the factor ``sample`` applies to the batch size.
 
-    ``None`` unless something set it (TorchRL's multi-step transforms). Checked on 0.13.3,
-    0.14.1 and the nightly 2026.10.27 (a class default of ``None`` there). O(1).
+    A class default of ``1``; ``None`` or another factor where something set it. Checked on
+    0.13.3, 0.14.1 and the nightly 2026.10.27. O(1).
     """
     return sampler._batch_size_multiplier
 

@@ -625,11 +625,8 @@ class SliceSampler(_TorchRLSliceSampler):
         def can_sample(self, storage: Any, batch_size: int) -> bool:
             """Whether a slice of ``batch_size``'s length fits, as TorchRL decides it.
 
-            TorchRL counts the slice windows of every stored trajectory (``O(items stored)``
-            after a write, at every ``sample(wait=True)``, ``wait_until_sampleable`` and
-            ``RateLimitedReplayBuffer`` check). A window exists when some trajectory is at
-            least that long (``strict_length=True``) or any trajectory is stored: the index
-            keeps those counts, so this is ``O(columns)`` after the incremental update.
+            From the index (:func:`index_can_sample`): ``O(columns)`` after the incremental
+            update, where TorchRL counts the windows of every stored trajectory.
             """
             if not self._fr_indexed(storage) or storage_len(storage) == 0:
                 return super().can_sample(storage, batch_size)
@@ -638,11 +635,8 @@ class SliceSampler(_TorchRLSliceSampler):
         def _sampleable_count(self, storage: Any, batch_size: int) -> Any:
             """How many slices of ``batch_size``'s length can start, as TorchRL counts them.
 
-            TorchRL sums ``max(0, L - slice_len + 1)`` over every stored trajectory length
-            ``L`` (``strict_length=False``: at least 1 per trajectory), after reading all
-            boundaries; ``SamplerEnsemble`` weighs its members by it. The index keeps the
-            lengths of the trajectories long enough summed, so this is ``O(columns)`` after
-            the incremental update. Returns an int64 tensor, as TorchRL's.
+            From the index (:func:`index_sampleable_count`): ``O(columns)`` after the
+            incremental update, where TorchRL reads every boundary. An int64 tensor.
             """
             if not self._fr_indexed(storage) or storage_len(storage) == 0:
                 return super()._sampleable_count(storage, batch_size)
