@@ -27,7 +27,7 @@ from torchrl.data import LazyMemmapStorage, LazyTensorStorage
 import fastreplay
 from conftest import short_flat_batches, skip_unless_slice_args
 from fastreplay._core.slice_index import slice_index
-from fastreplay._torchrl import SliceSamplerBase
+from fastreplay._torchrl import finalize_index
 from fastreplay.samplers._index_sync import IndexSync
 
 DONE, TERMINATED = ("next", "done"), ("next", "terminated")
@@ -138,7 +138,9 @@ def test_finalize_index_reads_only_the_flags(monkeypatch: pytest.MonkeyPatch) ->
     assert gathered == []
     # TorchRL's (on 0.13, whose ``_get_index`` builds the info inline: that code, as a hook)
     monkeypatch.setattr(
-        fastreplay.SliceSampler, "_finalize_index", SliceSamplerBase._finalize_index
+        fastreplay.SliceSampler,
+        "_finalize_index",
+        lambda self, **kwargs: finalize_index(super(fastreplay.SliceSampler, self), self, **kwargs),
     )
     sampler.sample(storage, 8)  # the whole sample, keys it does not read included
     assert len(gathered) == 1

@@ -591,14 +591,17 @@ def test_single_row_storage_samples_where_torchrl_fails() -> None:
 def test_the_without_replacement_class_is_chosen_in_one_place(monkeypatch) -> None:
     import inspect
 
-    import fastreplay.samplers.slice as slice_module
+    from fastreplay._torchrl import _REPLACEMENT_DISPATCH
+    from fastreplay.samplers.slice import without_replacement_class
 
     class WithoutReplacement(SliceSampler):
         def __init__(self, *, drop_last: bool = False, **kwargs) -> None:
             super().__init__(**kwargs)
             self.drop_last = drop_last
 
-    monkeypatch.setattr(slice_module, "without_replacement_class", lambda: WithoutReplacement)
+    # TorchRL's replacement table: what its sampler metaclass and without_replacement_class read
+    monkeypatch.setitem(_REPLACEMENT_DISPATCH, SliceSampler, WithoutReplacement)
+    assert without_replacement_class() is WithoutReplacement
     built = SliceSampler(replacement=False, num_slices=3, drop_last=True)
     assert type(built) is WithoutReplacement and built.drop_last and built.num_slices == 3
     again = WithoutReplacement(replacement=False, num_slices=3)  # a no-op there, as in TorchRL

@@ -26,8 +26,10 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
 * **The index-to-info hook** (:data:`HAS_FINALIZE_INDEX`): 0.14 and the nightly build the
   ``truncated``/``done``/``terminated`` info and the ``is_init`` markers in
   ``SliceSampler._finalize_index``; 0.13 does it inline at the end of ``_get_index``, with the
-  marker key fixed to ``"is_init"``. :class:`SliceSamplerBase` adds 0.13's code as
-  ``_finalize_index`` there, so the samplers call one hook everywhere.
+  marker key fixed to ``"is_init"``. fastreplay's slice samplers call :func:`finalize_index`,
+  TorchRL's hook where it exists and 0.13's code otherwise, so they use one hook everywhere.
+  The attributes of arguments older versions lack (``end_keys``, ``fragmented``,
+  ``init_key``, ``output_layout``) are :data:`SLICE_ATTRIBUTE_DEFAULTS`.
 * **The ``is_init`` marker key** (:func:`init_marker_key`): 0.14 and the nightly read the
   sampler's ``init_key`` at each ``sample`` (``None``: no markers); 0.13 has no ``init_key``
   and always marks ``"is_init"``, so an ``init_key`` assigned there changes nothing.
@@ -64,8 +66,8 @@ What differs, for what fastreplay subclasses or calls (``0.13`` = 0.13.3, ``0.14
   "SliceSampler returned a short flat batch: ...") when a flat ``sample`` returns fewer
   steps than asked for (``strict_length=False`` without ``pad_output``, a right ``span``,
   or short trajectories dropped without replacement); 0.13 and 0.14 do not warn.
-  :class:`SliceSamplerBase` gives the nightly's ``_warn_if_short_batch`` to every version (a
-  no-op where TorchRL has none), and fastreplay's fast paths call it where TorchRL does.
+  :func:`warn_if_short_batch` is fastreplay's samplers' ``_warn_if_short_batch`` on every
+  version (a no-op where TorchRL has none), and their fast paths call it where TorchRL does.
 * **The left-span warning** (:func:`warn_left_span_disabled`): ``PrioritizedSliceSampler(span=
   True)`` turns left spanning off and warns, from TorchRL's own module (``samplers`` on 0.13,
   ``samplers.prioritized_slice`` on 0.14 and the nightly). fastreplay's sampler emits the
@@ -196,8 +198,6 @@ __all__ = [
     "RandomSampler",
     "RoundRobinWriter",
     "Sampler",
-    "SliceSamplerBase",
-    "SliceSamplerWithoutReplacementBase",
     "Storage",
     "TensorDictRoundRobinWriter",
     "TensorStorage",
@@ -470,16 +470,6 @@ def pads_short_slices(sampler: Any) -> bool:
 # What fastreplay's PrioritizedSampler and PrioritizedSliceSampler read of TorchRL's internals.
 
 
-def sampler_rng(sampler: Any) -> torch.Generator | None:
-    """The generator ``sampler`` draws from (``Sampler._rng``), or ``None``. O(1).
-
-    ``ReplayBuffer.set_rng`` (a buffer built with ``generator=``) assigns it to the buffer's
-    sampler; TorchRL's ``Sampler`` declares it as a class attribute, ``None``, which means
-    "the global RNG". Read the same on TorchRL 0.13.3, 0.14.1 and the nightly 2026.10.27.
-    """
-    return sampler._rng
-
-
 def tree_device_from_storage(sampler: Any, storage: Any) -> torch.device | None:
     """The device TorchRL's ``PrioritizedSampler`` puts its trees on for ``storage``. O(1).
 
@@ -650,6 +640,209 @@ def _short_batch_warning(requested: int, returned: int) -> str:
 
 # ---------------------------------------------------------------------- accessors: slice samplers
 # What fastreplay's slice samplers and their trajectory-index adapter read of TorchRL's internals.
+__all__ += [
+    "SLICE_ATTRIBUTE_DEFAULTS",
+    "adjusted_batch_size",
+    "attach_shared_storage",
+    "batch_size_multiplier",
+    "finalize_index",
+    "new_sample_list",
+    "resolve_traj_key",
+    "round_robin_cursors",
+    "sampler_generator",
+    "storage_is_full",
+    "storage_rows",
+    "tensor_version",
+    "used_traj_key",
+    "warn_if_short_batch",
+]
+
+
+def sampler_generator(sampler: Any) -> torch.Generator | None:
+    """The sampler's random generator (``Sampler._rng``; ``None``: torch's default). O(1).
+
+    Read at each draw, as TorchRL's samplers read it. Checked on 0.13.3, 0.14.1 and the nightly
+    2026.10.27 (a class default of ``None``, set by ``set_rng``/the buffer's ``generator``).
+    """
+    return sampler._rng
+
+
+def batch_size_multiplier(sampler: Any) -> int | None:
+    """``SliceSampler._batch_size_multiplier``: the factor ``sample`` applies to the batch size.
+
+    A class default of ``1``; ``None`` or another factor where something set it. Checked on
+    0.13.3, 0.14.1 and the nightly 2026.10.27. O(1).
+    """
+    return sampler._batch_size_multiplier
+
+
+def adjusted_batch_size(sampler: Any, batch_size: int) -> tuple[int, int]:
+    """``SliceSampler._adjusted_batch_size(batch_size)``: ``(seq_length, num_slices)``.
+
+    TorchRL's own computation and errors (a batch size not divisible by ``num_slices``/
+    ``slice_len``). Checked on 0.14.1 and the nightly 2026.10.27 (called from ``can_sample``
+    and ``_sampleable_count``, which 0.13.3 does not have; 0.13.3 has the same method). O(1).
+    """
+    return sampler._adjusted_batch_size(batch_size)
+
+
+def used_traj_key(sampler: Any) -> Any:
+    """The trajectory-id key a slice sampler reads (``SliceSampler._used_traj_key``). O(1).
+
+    ``traj_key``, or the key found by ``_resolve_traj_key`` when ``traj_key`` was ``None``.
+    Checked on 0.13.3, 0.14.1 and the nightly 2026.10.27 (a property over its ``__dict__``).
+    """
+    return sampler._used_traj_key
+
+
+def resolve_traj_key(sampler: Any, storage: Any) -> None:
+    """TorchRL's ``SliceSampler._resolve_traj_key(storage)``: pick the trajectory-id key.
+
+    With ``traj_key=None``, TorchRL looks for ``("collector", "traj_ids")`` then ``"episode"``
+    in the storage and records the outcome on the sampler (``_fetch_traj``,
+    ``_used_traj_key``). Checked on 0.13.3, 0.14.1 and the nightly 2026.10.27. O(1).
+    """
+    sampler._resolve_traj_key(storage)
+
+
+def new_sample_list(sampler: Any, storage: Any, count: int, batch_size: int) -> None:
+    """``SamplerWithoutReplacement._get_sample_list``: a new epoch of ``count`` items.
+
+    Draws TorchRL's permutation (``randperm`` on the sampler's generator, or ``arange`` with
+    ``shuffle=False``) into ``_sample_list`` and sets ``_remaining_batches``, with the same
+    random numbers as TorchRL. Checked on 0.13.3, 0.14.1 and the nightly 2026.10.27.
+    O(count).
+    """
+    sampler._get_sample_list(storage, count, batch_size=batch_size)
+
+
+def storage_is_full(storage: Any) -> bool:
+    """``TensorStorage._is_full``: whether every row of the storage was written. O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly 2026.10.27 (a property over the storage's
+    length and ``max_size``).
+    """
+    return storage._is_full
+
+
+def attach_shared_storage(storage: Any) -> None:
+    """``TensorStorage._wait_for_init()``: attach to a memmap another process initialised.
+
+    What ``storage.get()`` does first on a ``LazyMemmapStorage(shared_init=True)`` that worker
+    processes filled; it blocks until the storage's files exist. Checked on 0.13.3, 0.14.1 and
+    the nightly 2026.10.27. O(1) once attached.
+    """
+    storage._wait_for_init()
+
+
+def round_robin_cursors(storage: Any) -> set[int]:
+    """The cursors of the round-robin writers of the buffers attached to ``storage``. O(buffers).
+
+    Reads ``storage._attached_entities`` (the buffers using it), each buffer's ``_writer`` and,
+    for a ``RoundRobinWriter``, its ``_cursor`` (the next row to write). Checked on 0.13.3,
+    0.14.1 and the nightly 2026.10.27.
+    """
+    return {
+        int(writer._cursor)
+        for buffer in getattr(storage, "_attached_entities", ())
+        for writer in (getattr(buffer, "_writer", None),)
+        if isinstance(writer, RoundRobinWriter)
+    }
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The version counter torch keeps for ``tensor`` (``Tensor._version``). O(1).
+
+    Moved by one at every in-place write to the tensor or a view of it. Read by the slice
+    samplers' index to see in-place writes nobody reported, on every TorchRL version
+    (0.13.3, 0.14.1, nightly 2026.10.27 write each signal tensor once per ``set``).
+    """
+    return tensor._version
+
+
+SLICE_ATTRIBUTE_DEFAULTS: dict[str, Any] = {
+    name: value
+    for name, value in (
+        ("end_keys", None),
+        ("fragmented", False),
+        ("init_key", "is_init"),
+        ("output_layout", "flat"),
+    )
+    if name not in SLICE_SAMPLER_ARGS
+}
+"""The newest ``SliceSampler``'s attributes that the installed one lacks, with its behaviour.
+
+``end_keys`` (``None``), ``fragmented`` (``False``), ``init_key`` (``"is_init"``, which 0.13
+always marks) and ``output_layout`` (``"flat"``): empty on the nightly, the last on 0.14.1, all
+four on 0.13.3. fastreplay's slice samplers carry them as class attributes, so they read the
+same on every version."""
+
+
+def warn_if_short_batch(sampler: Any, index: Any, requested_size: int) -> None:
+    """The nightly's short flat batch warning, once per sampler; nothing on 0.13/0.14.
+
+    TorchRL's nightly ``SliceSampler._warn_if_short_batch`` warns (``UserWarning``) when a flat
+    ``sample`` returns fewer steps than asked for, once per sampler (``_warned_short_batch``),
+    with ``stacklevel=3``: at the caller of ``sample``. fastreplay's ``sample`` may run
+    TorchRL's, so that caller is found past both (:func:`warn_at_sample_caller`). Checked on
+    0.13.3 and 0.14.1 (no such warning) and the nightly 2026.10.27. O(1) unless warning.
+    """
+    if not WARNS_SHORT_FLAT_BATCH:
+        return
+    if sampler.output_layout != "flat" or sampler._warned_short_batch:
+        return
+    returned = index[0].numel() if isinstance(index, tuple) else index.numel()
+    if returned < requested_size:
+        sampler._warned_short_batch = True
+        warn_at_sample_caller(_short_batch_warning(requested_size, returned), UserWarning)
+
+
+def finalize_index(
+    parent: Any,
+    sampler: Any,
+    *,
+    index: torch.Tensor,
+    num_slices: int,
+    seq_length: int | torch.Tensor,
+    target_seq_length: int | None,
+    mask_flat: torch.Tensor | None,
+    storage: Any,
+) -> tuple[tuple[torch.Tensor, ...], dict[Any, Any]]:
+    """TorchRL's ``SliceSampler._finalize_index``: the sample's index and its slice info.
+
+    ``parent._finalize_index(...)`` on 0.14.1 and the nightly 2026.10.27 (``parent``: the
+    sampler's ``super()``, so a class between it and TorchRL's runs too); on 0.13.3, which
+    builds the info inline at the end of ``SliceSampler._get_index``, that code: the
+    ``truncated``/``done``/``terminated`` flags (:func:`truncation_flags`) and the ``is_init``
+    markers (``_maybe_emit_init_marker``). O(steps x stored keys) on 0.13 (it gathers the
+    whole sample), as TorchRL.
+    """
+    if HAS_FINALIZE_INDEX:
+        return parent._finalize_index(
+            index=index,
+            num_slices=num_slices,
+            seq_length=seq_length,
+            target_seq_length=target_seq_length,
+            mask_flat=mask_flat,
+            storage=storage,
+        )
+    flat = index.to(torch.long).unbind(-1)
+    st_index = storage[flat]
+    info: dict[Any, Any] = {}
+    if sampler.truncated_key is not None:
+        truncated = torch.zeros((flat[0].shape[0], 1), dtype=torch.bool, device=flat[0].device)
+        if target_seq_length is not None and isinstance(seq_length, torch.Tensor):
+            first = torch.arange(num_slices, device=seq_length.device) * target_seq_length
+            truncated[first + (seq_length - 1).clamp(min=0)] = 1
+        elif isinstance(seq_length, int):
+            truncated.view(num_slices, -1)[:, -1] = 1
+        else:
+            truncated[seq_length.cumsum(0) - 1] = 1
+        info = truncation_flags(sampler.truncated_key, st_index, (), truncated)
+    if mask_flat is not None:
+        info[("collector", "mask")] = mask_flat
+    sampler._maybe_emit_init_marker(info, st_index, num_slices, seq_length, target_seq_length)
+    return flat, info
 
 
 # ---------------------------------------------------------------------- slice info
@@ -707,96 +900,6 @@ def truncation_flags(
         if terminated is None
         else take(terminated, index),
     }
-
-
-class _SliceHooks:
-    """The newest TorchRL ``SliceSampler``'s hooks and attributes, on every version.
-
-    * ``end_keys`` (``None``), ``fragmented`` (``False``), ``init_key`` (``"is_init"``) and
-      ``output_layout`` (``"flat"``): the attributes of arguments older versions lack, with
-      the behaviour those versions have.
-    * ``_finalize_index`` (0.14+): on 0.13, the end of 0.13's ``_get_index``, moved here.
-    * ``_warn_if_short_batch`` (nightly): a no-op where TorchRL does not warn.
-
-    Nothing is defined where the installed TorchRL has it.
-    """
-
-    truncated_key: Any  # TorchRL's SliceSampler's
-    _maybe_emit_init_marker: Any
-    _warned_short_batch: bool  # (the nightly's)
-
-    if "end_keys" not in SLICE_SAMPLER_ARGS:
-        end_keys = None
-    if "fragmented" not in SLICE_SAMPLER_ARGS:
-        fragmented = False
-    if "init_key" not in SLICE_SAMPLER_ARGS:
-        init_key = "is_init"
-    if "output_layout" not in SLICE_SAMPLER_ARGS:
-        output_layout = "flat"
-
-    if not WARNS_SHORT_FLAT_BATCH:
-
-        def _warn_if_short_batch(self, index: Any, requested_size: int) -> None:
-            """TorchRL 0.13/0.14 do not warn on short flat batches."""
-
-    else:
-
-        def _warn_if_short_batch(self, index: Any, requested_size: int) -> None:
-            """The nightly's warning, once per sampler, attributed as TorchRL's.
-
-            TorchRL warns with ``stacklevel=3``, at the caller of ``sample``; fastreplay's
-            ``sample`` may run TorchRL's, so the caller is found past both
-            (:func:`warn_at_sample_caller`). O(1) unless warning.
-            """
-            if self.output_layout != "flat" or self._warned_short_batch:
-                return
-            returned = index[0].numel() if isinstance(index, tuple) else index.numel()
-            if returned < requested_size:
-                self._warned_short_batch = True
-                warn_at_sample_caller(_short_batch_warning(requested_size, returned), UserWarning)
-
-    if not HAS_FINALIZE_INDEX:
-
-        def _finalize_index(
-            self,
-            *,
-            index: torch.Tensor,
-            num_slices: int,
-            seq_length: int | torch.Tensor,
-            target_seq_length: int | None,
-            mask_flat: torch.Tensor | None,
-            storage: Any,
-        ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-            """TorchRL 0.13's ``_get_index`` tail: the slice flags and ``is_init`` markers."""
-            index = index.to(torch.long).unbind(-1)
-            st_index = storage[index]
-            info: dict[Any, Any] = {}
-            if self.truncated_key is not None:
-                truncated = torch.zeros(
-                    (index[0].shape[0], 1), dtype=torch.bool, device=index[0].device
-                )
-                if target_seq_length is not None and isinstance(seq_length, torch.Tensor):
-                    positions = torch.arange(
-                        num_slices, device=seq_length.device
-                    ) * target_seq_length + (seq_length - 1).clamp(min=0)
-                    truncated[positions] = 1
-                elif isinstance(seq_length, int):
-                    truncated.view(num_slices, -1)[:, -1] = 1
-                else:
-                    truncated[seq_length.cumsum(0) - 1] = 1
-                info = truncation_flags(self.truncated_key, st_index, (), truncated)
-            if mask_flat is not None:
-                info[("collector", "mask")] = mask_flat
-            self._maybe_emit_init_marker(info, st_index, num_slices, seq_length, target_seq_length)
-            return index, info
-
-
-class SliceSamplerBase(_SliceHooks, TorchRLSliceSampler):
-    """TorchRL's ``SliceSampler`` with :class:`_SliceHooks` (the base of fastreplay's)."""
-
-
-class SliceSamplerWithoutReplacementBase(_SliceHooks, TorchRLSliceSamplerWithoutReplacement):
-    """TorchRL's ``SliceSamplerWithoutReplacement`` with :class:`_SliceHooks`."""
 
 
 # ---------------------------------------------------------------------- accessors: buffers
@@ -922,7 +1025,7 @@ class Bookkeeping:
             state = sampler.__dict__
             return (
                 state.get("_warned_short_batch") is False
-                and type(sampler)._warn_if_short_batch is not _SliceHooks._warn_if_short_batch
+                and type(sampler)._warn_if_short_batch is not warn_if_short_batch
                 and state.get("output_layout", "flat") == "flat"
                 and (
                     state.get("strict_length") is not True

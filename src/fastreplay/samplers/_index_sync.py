@@ -35,7 +35,18 @@ import numpy as np
 import torch
 
 from fastreplay._core.trajectory_index import TrajectoryIndex
-from fastreplay._torchrl import RoundRobinWriter, last_cursor_row, mutation_revision, storage_len
+from fastreplay._torchrl import (
+    attach_shared_storage,
+    last_cursor_row,
+    mutation_revision,
+    resolve_traj_key,
+    round_robin_cursors,
+    storage_is_full,
+    storage_len,
+    storage_rows,
+    tensor_version,
+    used_traj_key,
+)
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 
 __all__ = ["DoneFlags", "IndexSync", "remote_writes", "reporting_remote"]
@@ -269,7 +280,7 @@ class IndexSync:
         leaves = [data.get(key) for key in keys]
         if all(isinstance(leaf, torch.Tensor) and not leaf.is_inference() for leaf in leaves):
             self._signal = tuple(weakref.ref(leaf) for leaf in leaves)
-            self._versions = tuple(leaf._version for leaf in leaves)
+            self._versions = tuple(tensor_version(leaf) for leaf in leaves)
         else:
             self._signal, self._versions = (), None
 
@@ -289,7 +300,7 @@ class IndexSync:
         local = self._local_writes
         for ref, version in zip(self._signal, versions, strict=True):
             leaf = ref()
-            if leaf is not None and leaf._version != version + local:
+            if leaf is not None and tensor_version(leaf) != version + local:
                 return True
         return False
 
@@ -305,7 +316,7 @@ class IndexSync:
             and getattr(storage, "shared_init", False)
             and storage_len(storage)
         ):
-            storage._wait_for_init()
+            attach_shared_storage(storage)
 
     @staticmethod
     def _read(leaves: list[torch.Tensor], first: int, n: int, rows: int, mode: str) -> np.ndarray:
@@ -336,20 +347,15 @@ class IndexSync:
         if cursor is not None and not self._loaded:
             return cursor
         rows = int(storage._storage.shape[0])
-        writers = {
-            int(writer._cursor)
-            for buffer in getattr(storage, "_attached_entities", ())
-            for writer in (getattr(buffer, "_writer", None),)
-            if isinstance(writer, RoundRobinWriter)
-        }
+        writers = round_robin_cursors(storage)
         if len(writers) == 1:
             return (writers.pop() - 1) % rows
         return cursor
 
     def _matches(self, index: TrajectoryIndex, storage: Any) -> bool:
         """Whether the updated index covers the storage's rows and ends at its cursor."""
-        full = bool(storage._is_full)
-        if full != (index.size == index.rows) or index.size != (storage._len_along_dim0 or 0):
+        full = bool(storage_is_full(storage))
+        if full != (index.size == index.rows) or index.size != (storage_rows(storage) or 0):
             return False
         cursor = self._last_row(storage) if full else None
         return not full or cursor is None or cursor == index.cursor
@@ -369,10 +375,10 @@ class IndexSync:
         """Index the whole storage, oldest row first: ``O(items stored)``."""
         index.reset()
         first = 0
-        if storage._is_full:
+        if storage_is_full(storage):
             cursor = self._last_row(storage)
             first = (cursor + 1) % rows if cursor is not None else 0
-        self._write_run(index, leaves, first, storage._len_along_dim0 or 0, rows)
+        self._write_run(index, leaves, first, storage_rows(storage) or 0, rows)
 
     # -------------------------------------------------------------------- coordinates
     @staticmethod
@@ -404,13 +410,14 @@ def _signal_keys(sampler: Any, storage: Any) -> tuple[str, tuple]:
     tried: list[str] = []  # "name=value" of every key argument looked up, in order
     for fallback in (True, False):
         if getattr(sampler, "_traj_key_auto", False):
-            sampler._resolve_traj_key(storage)
+            resolve_traj_key(sampler, storage)
             if not sampler._fetch_traj:
                 tried.append("traj_key=None (looked for ('collector', 'traj_ids'), 'episode')")
         if sampler._fetch_traj:
-            if sampler._used_traj_key in keys:
-                return "ids", (sampler._used_traj_key,)
-            tried.append(f"traj_key={sampler._used_traj_key!r}")
+            traj_key = used_traj_key(sampler)
+            if traj_key in keys:
+                return "ids", (traj_key,)
+            tried.append(f"traj_key={traj_key!r}")
             if fallback:
                 sampler._fetch_traj = False
                 continue

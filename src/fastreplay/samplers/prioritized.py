@@ -36,7 +36,7 @@ from fastreplay._core.trees.views import (
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
     Storage,
-    sampler_rng,
+    sampler_generator,
     storage_len,
     storage_slots,
     tree_device_from_storage,
@@ -647,7 +647,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
             )
         f32 = self.dtype == torch.float32
         if self._samples_on_device(stored, f32):  # device trees: no host read
-            draw = uniform_draws(batch_size, sampler_rng(self), self.device)
+            draw = uniform_draws(batch_size, sampler_generator(self), self.device)
             index, weight = self._trees.sample_live(draw, self._beta, f32)  # type: ignore[attr-defined]
             if storage.ndim > 1:
                 index = torch.unravel_index(index, tuple(storage.shape))
@@ -670,7 +670,7 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
                 "Cannot compute importance weights: a stored item has priority 0 with "
                 f"eps={self._eps}, so (p_i / p_min) ** -beta is undefined; use eps > 0."
             )
-        draw = uniform_draws(batch_size, sampler_rng(self), self.device)
+        draw = uniform_draws(batch_size, sampler_generator(self), self.device)
         index, weight = self._trees.sample(draw, total, m_min, self._beta, f32, limit)
         if storage.ndim > 1:
             index = torch.unravel_index(index, tuple(storage.shape))

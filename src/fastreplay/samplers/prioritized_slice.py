@@ -1,11 +1,15 @@
 """``PrioritizedSliceSampler``: prioritized slice starts from the trajectory index and the trees.
 
-A thin adapter over fastreplay's two cores, both inherited (as TorchRL's class inherits its
-``PrioritizedSampler`` and ``SliceSampler``): the priority trees of
-:class:`fastreplay.PrioritizedSampler` and the incremental trajectory index of
-:class:`fastreplay.SliceSampler`. ``sample`` draws slice starts from the
-trees and keeps the draws that are valid starts (rejection sampling), which gives exactly the
-priority distribution restricted to valid starts without writing to any shared state.
+A thin adapter over fastreplay's two cores: the priority trees, inherited from
+:class:`fastreplay.PrioritizedSampler`, and the incremental trajectory index, owned as
+:class:`fastreplay.SliceSampler` owns it (an :class:`~fastreplay.samplers._index_sync.IndexSync`
+and the functions of :mod:`fastreplay.samplers.slice` that use it). Its bases are
+fastreplay's ``PrioritizedSampler`` and TorchRL's ``PrioritizedSliceSampler``; it is
+registered as a virtual subclass of :class:`fastreplay.SliceSampler`, so
+``isinstance(sampler, fastreplay.SliceSampler)`` holds as it does for TorchRL's classes.
+``sample`` draws slice starts from the trees and keeps the draws that are valid starts
+(rejection sampling), which gives exactly the priority distribution restricted to valid
+starts without writing to any shared state.
 """
 
 from __future__ import annotations
@@ -21,21 +25,36 @@ import torch
 from fastreplay._core.slice_index import slice_index
 from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
+    HAS_CAN_SAMPLE,
     PRIORITIZED_SLICE_ARGS,
     STATIC_BOUNDARIES,
     TORCHRL_PRIORITIZED_SLICE_KEYWORDS,
     Storage,
-    sampler_rng,
+    sampler_generator,
     storage_len,
     storage_rows,
     truncation_flags,
+    warn_if_short_batch,
     warn_left_span_disabled,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSliceSampler as _TorchRLPrioritizedSliceSampler
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.samplers._index_sync import IndexSync
 from fastreplay.samplers.prioritized import PrioritizedSampler, _locked, uniform_draws
-from fastreplay.samplers.slice import SliceSampler, SliceSamplerError, _check_count
+from fastreplay.samplers.slice import (
+    SliceSampler,
+    SliceSamplerError,
+    _BoundaryKey,
+    _check_count,
+    index_boundaries,
+    index_can_sample,
+    index_sampleable_count,
+    invalidate_boundaries,
+    newest_attributes,
+    serves_storage,
+    slice_counts,
+    trajectory_index,
+)
 
 __all__ = ["PrioritizedSliceSampler"]
 
@@ -65,7 +84,8 @@ class _SliceArgumentsSignature(ConstructorSignature):
         return inspect.Signature(params)
 
 
-class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioritizedSliceSampler):
+@newest_attributes
+class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSampler):
     r"""Drop-in ``torchrl.data.PrioritizedSliceSampler`` whose ``sample`` does not scan the buffer.
 
     Same arguments and outputs as TorchRL's class (Schaul et al. 2015 on slice starts): a slice
@@ -90,10 +110,11 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
 
     Args and keyword args are TorchRL's (see :class:`torchrl.data.PrioritizedSliceSampler`),
     plus ``upper_priority`` and ``initial_priority`` (see :class:`fastreplay.PrioritizedSampler`).
-    It is a :class:`fastreplay.PrioritizedSampler` and a :class:`fastreplay.SliceSampler`; the
-    slice attributes TorchRL reads at each ``sample`` (``num_slices``, ``slice_len``,
-    ``strict_length``, ``span``, ``truncated_key``, the boundary keys...) can be assigned
-    between samples, as on :class:`fastreplay.SliceSampler`.
+    It is a :class:`fastreplay.PrioritizedSampler` and (registered) a
+    :class:`fastreplay.SliceSampler`, as well as TorchRL's classes; the slice attributes
+    TorchRL reads at each ``sample`` (``num_slices``, ``slice_len``, ``strict_length``,
+    ``span``, ``truncated_key``, the boundary keys...) can be assigned between samples, as on
+    :class:`fastreplay.SliceSampler`.
 
     Example:
         >>> import torch
@@ -117,6 +138,17 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
     """
 
     __signature__ = _SliceArgumentsSignature()  # TorchRL's metaclass hides __init__
+    # The trajectory index, as fastreplay.SliceSampler keeps it (see that class).
+    end_key = _BoundaryKey()
+    end_keys = _BoundaryKey()
+    traj_key = _BoundaryKey()
+    num_slices: int | None  # set by TorchRL's SliceSampler.__init__, checked by ours
+    slice_len: int | None
+    _fr_index = property(trajectory_index)
+    invalidate_boundaries = invalidate_boundaries
+    _fr_indexed = serves_storage
+    _fr_batch = slice_counts
+    _warn_if_short_batch = warn_if_short_batch  # (its ``sample`` returns full batches)
 
     def __init__(
         self,
@@ -138,9 +170,10 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                     f"{type(self).__name__}.__init__() got an unexpected keyword argument "
                     f"{name!r}; it takes: {', '.join(inspect.signature(type(self)).parameters)}."
                 )
+        # Both halves' state, as TorchRL's class builds it: TorchRL's SliceSampler's (its
+        # slice arguments) and fastreplay's PrioritizedSampler's (the trees).
         _TorchRLSliceSampler.__init__(self, **kwargs)
-        PrioritizedSampler.__init__(
-            self,
+        super().__init__(
             max_capacity,
             alpha,
             beta,
@@ -182,26 +215,55 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
             self._cache.pop("preceding_stop_idx", None)
 
     def _empty(self) -> None:
-        PrioritizedSampler._empty(self)
+        super()._empty()
         self.invalidate_boundaries()
 
     @_locked
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the priorities; the trajectory index is rebuilt at the next sample."""
-        PrioritizedSampler.load_state_dict(self, state_dict)
+        super().load_state_dict(state_dict)
         self.invalidate_boundaries()
 
     @_locked
     def loads(self, path: Any) -> None:
         """Load what ``dumps`` wrote; the trajectory index is rebuilt at the next sample."""
-        PrioritizedSampler.loads(self, path)
+        super().loads(path)
         self.invalidate_boundaries()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_fr_sync"] = self._fr_sync.detached()  # a copy rebuilds from its storage
+        return state
 
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
         """Trajectory boundaries in TorchRL's format, from the index (``O(trajectories)``)."""
         if STATIC_BOUNDARIES in self._cache:
             return self._cache[STATIC_BOUNDARIES]
-        return SliceSampler._get_stop_and_length(self, storage, fallback)
+        if not self._fr_indexed(storage) or storage_len(storage) == 0:
+            return super()._get_stop_and_length(storage, fallback)
+        return index_boundaries(self, storage)
+
+    if HAS_CAN_SAMPLE:
+
+        def can_sample(self, storage: Any, batch_size: int) -> bool:
+            """Whether a slice of ``batch_size``'s length fits, as TorchRL decides it.
+
+            From the trajectory index (:func:`~fastreplay.samplers.slice.index_can_sample`):
+            ``O(columns)`` after the incremental update, where TorchRL rescans the storage.
+            """
+            if not self._fr_indexed(storage) or storage_len(storage) == 0:
+                return super().can_sample(storage, batch_size)
+            return index_can_sample(self, storage, batch_size)
+
+        def _sampleable_count(self, storage: Any, batch_size: int) -> Any:
+            """How many slices of ``batch_size``'s length can start, as TorchRL counts them.
+
+            From the trajectory index
+            (:func:`~fastreplay.samplers.slice.index_sampleable_count`): ``O(columns)``.
+            """
+            if not self._fr_indexed(storage) or storage_len(storage) == 0:
+                return super()._sampleable_count(storage, batch_size)
+            return index_sampleable_count(self, storage, batch_size)
 
     # ------------------------------------------------------------------ valid starts
     def _fr_locator(self, storage: Any, seq_length: int, k: int) -> Locator:
@@ -259,7 +321,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
             want = n - slots.size
             rate = (accepted + 1) / (drawn + 1)
             m = min(max(want, math.ceil(1.25 * want / rate)), _MAX_DRAWS_PER_SLICE * n - drawn)
-            draw = uniform_draws(m, sampler_rng(self), self.device)
+            draw = uniform_draws(m, sampler_generator(self), self.device)
             slot = self._trees.search(draw.to(self.device) * total).cpu().numpy()
             pos, length = locate(slot // columns, slot % columns)
             ok = self._fr_valid(pos, length, k)
@@ -286,7 +348,7 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
                 "Cannot sample: no valid slice start has a positive priority mass "
                 f"(eps={self._eps}); raise the priorities of trajectory starts or use eps > 0."
             )
-        draw = uniform_draws(n, sampler_rng(self), torch.device("cpu")) * cum[-1]
+        draw = uniform_draws(n, sampler_generator(self), torch.device("cpu")) * cum[-1]
         pick = torch.searchsorted(cum, draw, right=True).clamp_max_(slot.size - 1).numpy()
         return slot[pick], left[pick]
 
@@ -313,9 +375,9 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         locate = self._fr_locator(storage, seq_length, k)
         total, m_min = self._trees.total(), self._trees.min_mass()
         if not total > 0 or not m_min > 0:
-            PrioritizedSampler.sample(self, storage, 1)  # raises its clear error
+            super().sample(storage, 1)  # raises its clear error
         columns = math.prod(storage.shape[1:]) if storage.ndim > 1 else 1
-        stored = storage_rows(storage) * columns
+        stored = int(storage_rows(storage) or 0) * columns
         slot, left = self._fr_draw(num_slices, k, locate, columns, stored, total)
         slot_t = torch.from_numpy(slot)
         weight = torch.pow(self._trees.mass(slot_t.to(self.device)).cpu() / m_min, -self._beta)
@@ -343,3 +405,8 @@ class PrioritizedSliceSampler(PrioritizedSampler, SliceSampler, _TorchRLPrioriti
         else:
             truncated[seq.cumsum(0) - 1] = True
         return truncation_flags(self.truncated_key, storage._storage, index, truncated)
+
+
+# TorchRL's suites and users test ``isinstance(x, fastreplay.SliceSampler)`` (TorchRL's
+# PrioritizedSliceSampler is a TorchRL SliceSampler): this class owns the same parts.
+SliceSampler.register(PrioritizedSliceSampler)

@@ -17,15 +17,22 @@ from fastreplay._signature import constructor_signature
 from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     HAS_CAN_SAMPLE,
+    SLICE_ATTRIBUTE_DEFAULTS,
     STATIC_BOUNDARIES,
-    SliceSamplerBase,
     TensorStorage,
+    adjusted_batch_size,
+    batch_size_multiplier,
+    finalize_index,
     init_marker_key,
     is_batch_time,
     pads_short_slices,
+    sampler_generator,
+    storage_is_full,
     storage_len,
+    storage_rows,
     take,
     truncation_flags,
+    warn_if_short_batch,
 )
 from fastreplay._torchrl import TorchRLSliceSampler as _TorchRLSliceSampler
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
@@ -61,18 +68,19 @@ class _SignalRows:
         leaf = storage._storage.get(key, None)
         if leaf is None:
             return default
-        if not storage._is_full:  # as TensorStorage.get: the stored rows only
-            leaf = leaf[: storage._len_along_dim0]
+        if not storage_is_full(storage):  # as TensorStorage.get: the stored rows only
+            leaf = leaf[: storage_rows(storage)]
         return leaf[self.index]
 
 
 def without_replacement_class() -> type:
     """The class that ``SliceSampler(replacement=False, ...)`` builds, with the same arguments.
 
-    The one place that makes this choice; that class also accepts ``replacement=False`` itself
-    (a no-op), as TorchRL's classes do. It is read from TorchRL's replacement table, where
-    :mod:`fastreplay.samplers.slice_without_replacement` registers it when it is imported
-    (importing any part of fastreplay imports it), so this module does not import it.
+    TorchRL's sampler metaclass makes this choice from its replacement table
+    (``_REPLACEMENT_DISPATCH``), where :mod:`fastreplay.samplers.slice_without_replacement`
+    registers that class when it is imported (importing any part of fastreplay imports it), so
+    this module does not import it. That class also accepts ``replacement=False`` itself (a
+    no-op), as TorchRL's classes do: the metaclass finds it among the table's values.
 
     Returns:
         ``fastreplay.SliceSamplerWithoutReplacement``.
@@ -85,35 +93,37 @@ _REPLACEMENT = inspect.Parameter(
 )
 
 
-class _SliceSamplerMeta(type(_TorchRLSliceSampler)):  # type: ignore[misc]
-    """TorchRL's sampler metaclass, plus ``replacement=False`` dispatch and real signatures."""
+class _ReplacementSignature:
+    """``cls(...)``'s arguments: ``replacement``, then the ``__init__`` chain's. O(MRO length).
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs.get("replacement", True):
-            if cls is SliceSampler:
-                del kwargs["replacement"]
-                return without_replacement_class()(*args, **kwargs)
-            if cls is without_replacement_class():  # already without replacement: a no-op
-                del kwargs["replacement"]
-        return super().__call__(*args, **kwargs)
+    TorchRL's sampler metaclass takes ``replacement`` (``False`` builds
+    :func:`without_replacement_class`) and hides ``__init__`` from :func:`inspect.signature`
+    (``*args, **kwargs``). A subclass whose body sets its own ``__signature__`` uses that one.
+    ``None`` on an instance, as :class:`fastreplay._signature.ConstructorSignature`.
+    """
 
-    @property
-    def __signature__(cls) -> inspect.Signature:
-        """``cls(...)``'s arguments (TorchRL's metaclass makes them read ``*args, **kwargs``).
-
-        A class body's own ``__signature__`` (``PrioritizedSliceSampler``'s, which takes no
-        ``replacement``) is used for it and its subclasses; otherwise ``replacement`` comes
-        first, then the ``__init__`` chain's arguments.
-        """
-        for klass in cls.__mro__:
-            own = vars(klass).get("__signature__")
-            if own is not None:
-                return own.__get__(None, cls)
-        signature = constructor_signature(cls, extra=[_REPLACEMENT])
+    def __get__(self, instance: Any, owner: type) -> inspect.Signature | None:
+        if instance is not None:
+            return None
+        signature = constructor_signature(owner, extra=[_REPLACEMENT])
         params = sorted(
             signature.parameters.values(), key=lambda p: (p.kind, p.name != "replacement")
         )
         return signature.replace(parameters=params)
+
+
+def newest_attributes(cls: type) -> type:
+    """Give ``cls`` the newest ``SliceSampler``'s attributes the installed TorchRL lacks.
+
+    :data:`fastreplay._torchrl.SLICE_ATTRIBUTE_DEFAULTS` (``fragmented``, ``init_key``,
+    ``output_layout``... with the behaviour of the versions without them), as class
+    attributes, except where ``cls`` already defines the name (``end_keys``, a boundary key,
+    reads its default there). A class decorator; O(attributes).
+    """
+    for name, value in SLICE_ATTRIBUTE_DEFAULTS.items():
+        if name not in vars(cls):
+            setattr(cls, name, value)
+    return cls
 
 
 class _BoundaryKey:
@@ -135,10 +145,12 @@ class _BoundaryKey:
             return instance.__dict__[self.name]
         except KeyError:
             pass
-        for klass in owner.__mro__:  # a default for a TorchRL version without the argument
+        for klass in owner.__mro__:  # a class default (TorchRL's, or a subclass's)
             default = vars(klass).get(self.name, self)
             if not isinstance(default, _BoundaryKey):
                 return default
+        if self.name in SLICE_ATTRIBUTE_DEFAULTS:  # a TorchRL version without the argument
+            return SLICE_ATTRIBUTE_DEFAULTS[self.name]
         raise AttributeError(self.name)
 
     def __set__(self, instance: Any, value: Any) -> None:
@@ -176,7 +188,123 @@ def _check_count(name: str, value: Any) -> Any:
     return count
 
 
-class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
+# ------------------------------------------------------------------ the trajectory index's parts
+# A slice sampler's use of its :class:`IndexSync` (``_fr_sync``), as functions: methods of
+# :class:`SliceSampler` and of ``PrioritizedSliceSampler``, which is no subclass of it.
+
+
+def trajectory_index(sampler: Any) -> TrajectoryIndex | None:
+    """The trajectory index (``None`` until the first ``sample``), for inspection."""
+    return sampler._fr_sync.index
+
+
+def invalidate_boundaries(sampler: Any) -> None:
+    """Rebuild the trajectory boundaries from the storage at the next ``sample``.
+
+    Call it after editing stored done flags or trajectory ids in a way that moves no
+    version counter of this process: through ``tensor.data`` or a NumPy view, in place
+    by another process (shared memory, a memory map), or through a memory map opened
+    separately. Everything else is seen without a call, whatever writes come after it:
+    writes through the replay buffer or the storage (``extend``, ``add``,
+    ``rb[idx] = ...``), in-place edits through a view (``storage[:][key][i] = ...``) and
+    writes that raise part way (the version counters of the flag or id tensors moved by
+    more than the writes the sampler was told about).
+    The rebuild costs one ``O(items stored)`` read of the boundary keys.
+    """
+    sampler._fr_sync.invalidate()
+
+
+def serves_storage(sampler: Any, storage: Any) -> bool:
+    """Whether the index serves ``storage`` (else TorchRL's own code path does). O(1)."""
+    if sampler.fragmented or sampler.use_gpu or STATIC_BOUNDARIES in sampler._cache:
+        return False
+    if not isinstance(storage, TensorStorage):
+        return False  # ListStorage, LazyStackStorage, ...: TorchRL's path and errors
+    IndexSync.attach(storage)
+    data = getattr(storage, "_storage", None)
+    return data is None or is_tensor_collection(data)
+
+
+def slice_counts(sampler: Any, batch_size: int) -> tuple[int, int]:
+    """``(seq_length, num_slices)`` from the current ``num_slices``/``slice_len``. O(1).
+
+    Read at each call, as TorchRL does (``num_slices`` wins when both are set); a value
+    assigned since construction is checked here as the constructor checks it.
+    """
+    if sampler.num_slices is not None:
+        name = "num_slices"
+    elif sampler.slice_len is not None:
+        name = "slice_len"
+    else:
+        raise TypeError(
+            "Either num_slices or slice_len must be set, got num_slices=None and "
+            "slice_len=None; assign one of them (e.g. sampler.num_slices = 4)."
+        )
+    size = int(_check_count(name, getattr(sampler, name)))
+    if batch_size % size:
+        raise SliceSamplerError(
+            f"batch_size={batch_size} is not divisible by {name}={size}; pass a batch "
+            f"size that is a multiple of {size} (e.g. {max(1, batch_size // size) * size})."
+        )
+    if name == "num_slices":
+        return batch_size // size, size
+    return size, batch_size // size
+
+
+def index_boundaries(sampler: Any, storage: Any) -> tuple[torch.Tensor, ...]:
+    """``(start, stop, length)`` of the stored trajectories in TorchRL's format, from the index.
+
+    ``O(trajectories)`` after the incremental update.
+    """
+    sync = sampler._fr_sync
+    start, stop, length, col = sync.sync(storage, sampler).boundaries()
+    device = sync.device
+    return (
+        sync.with_coords(storage, start, col).to(device),
+        sync.with_coords(storage, stop, col).to(device),
+        torch.from_numpy(length).to(device),
+    )
+
+
+def index_can_sample(sampler: Any, storage: Any, batch_size: int) -> bool:
+    """Whether a slice of ``batch_size``'s length fits, as TorchRL decides it.
+
+    TorchRL counts the slice windows of every stored trajectory (``O(items stored)`` after a
+    write, at every ``sample(wait=True)``, ``wait_until_sampleable`` and
+    ``RateLimitedReplayBuffer`` check). A window exists when some trajectory is at least that
+    long (``strict_length=True``) or any trajectory is stored: the index keeps those counts, so
+    this is ``O(columns)`` after the incremental update.
+    """
+    seq_length, _ = adjusted_batch_size(sampler, batch_size)  # TorchRL's errors
+    try:
+        index = sampler._fr_sync.sync(storage, sampler)
+    except (KeyError, RuntimeError):  # as TorchRL: no boundaries, nothing to sample
+        return False
+    return bool(index.counts(seq_length if sampler.strict_length else 1).sum() > 0)
+
+
+def index_sampleable_count(sampler: Any, storage: Any, batch_size: int) -> Any:
+    """How many slices of ``batch_size``'s length can start, as TorchRL counts them.
+
+    TorchRL sums ``max(0, L - slice_len + 1)`` over every stored trajectory length ``L``
+    (``strict_length=False``: at least 1 per trajectory), after reading all boundaries;
+    ``SamplerEnsemble`` weighs its members by it. The index keeps the lengths of the
+    trajectories long enough summed, so this is ``O(columns)`` after the incremental update.
+    Returns an int64 tensor, as TorchRL's.
+    """
+    seq_length, _ = adjusted_batch_size(sampler, batch_size)  # TorchRL's errors
+    try:
+        index = sampler._fr_sync.sync(storage, sampler)
+    except (KeyError, RuntimeError):  # as TorchRL: no boundaries, nothing to sample
+        return 0
+    count = int(index.windows(seq_length).sum())
+    if not sampler.strict_length:  # shorter trajectories give one (short) slice each
+        count += int(index.counts(1).sum() - index.counts(seq_length).sum())
+    return torch.tensor(count, device=sampler._fr_sync.device)
+
+
+@newest_attributes
+class SliceSampler(_TorchRLSliceSampler):
     """Drop-in ``torchrl.data.SliceSampler`` whose trajectory boundaries are kept up to date.
 
     Same constructor arguments and same outputs (index format, ``truncated``/``done``/
@@ -230,6 +358,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     index rebuild from the storage once.
     """
 
+    __signature__ = _ReplacementSignature()
     end_key = _BoundaryKey()
     end_keys = _BoundaryKey()
     traj_key = _BoundaryKey()
@@ -242,22 +371,21 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         Every keyword goes to TorchRL's constructor, so each TorchRL version's arguments are
         accepted (and shown by ``inspect.signature``) as they are.
 
-        ``replacement=False`` builds :func:`without_replacement_class` instead (the metaclass
-        reads it before ``__init__`` runs); ``True``, the default, builds this class.
+        ``replacement=False`` builds :func:`without_replacement_class` instead (TorchRL's
+        metaclass reads it before ``__init__`` runs); ``True``, the default, builds this class.
 
         Raises:
             TypeError: ``num_slices``/``slice_len`` is not an integer (and TorchRL's own
                 errors for exclusive, missing or unknown arguments).
             SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
         """
-        fragmented = bool(kwargs.get("fragmented", False))
+        # TorchRL accepts fragmented=True only where ``sample`` is its own class's: this
+        # class's ``sample`` serves it with TorchRL's code. Elsewhere (a subclass with its own
+        # ``sample``) the argument goes on to TorchRL, which raises its own error.
+        fragmented = bool(kwargs.get("fragmented", False)) and (
+            type(self).sample is SliceSampler.sample
+        )
         if fragmented:
-            # TorchRL accepts fragmented=True only where ``sample`` is its own class's: this
-            # class's ``sample`` serves it with TorchRL's code, its subclasses' may not.
-            if type(self).sample is not SliceSampler.sample:
-                raise NotImplementedError(
-                    "fragmented=True currently supports SliceSampler with replacement only."
-                )
             _TorchRLSliceSampler(**kwargs)  # TorchRL's other checks, errors and messages
             kwargs["fragmented"] = False  # the flag is read at sample time only
         super().__init__(**kwargs)
@@ -267,25 +395,11 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         self.slice_len = _check_count("slice_len", self.slice_len)
         self._fr_sync = IndexSync()  # storage -> trajectory index
 
-    @property
-    def _fr_index(self) -> TrajectoryIndex | None:
-        """The trajectory index (``None`` until the first ``sample``), for inspection."""
-        return self._fr_sync.index
-
-    def invalidate_boundaries(self) -> None:
-        """Rebuild the trajectory boundaries from the storage at the next ``sample``.
-
-        Call it after editing stored done flags or trajectory ids in a way that moves no
-        version counter of this process: through ``tensor.data`` or a NumPy view, in place
-        by another process (shared memory, a memory map), or through a memory map opened
-        separately. Everything else is seen without a call, whatever writes come after it:
-        writes through the replay buffer or the storage (``extend``, ``add``,
-        ``rb[idx] = ...``), in-place edits through a view (``storage[:][key][i] = ...``) and
-        writes that raise part way (the version counters of the flag or id tensors moved by
-        more than the writes the sampler was told about).
-        The rebuild costs one ``O(items stored)`` read of the boundary keys.
-        """
-        self._fr_sync.invalidate()
+    # The trajectory index's parts, shared with ``PrioritizedSliceSampler`` (functions below).
+    _fr_index = property(trajectory_index)
+    invalidate_boundaries = invalidate_boundaries
+    _fr_indexed = serves_storage
+    _fr_batch = slice_counts
 
     # ----------------------------------------------------------------- write notifications
     def extend(self, index: torch.Tensor) -> None:
@@ -318,53 +432,11 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         return state
 
     # ----------------------------------------------------------------------- the index
-    def _fr_indexed(self, storage: Any) -> bool:
-        """Whether the index serves ``storage`` (else TorchRL's own code path does)."""
-        if self.fragmented or self.use_gpu or STATIC_BOUNDARIES in self._cache:
-            return False
-        if not isinstance(storage, TensorStorage):
-            return False  # ListStorage, LazyStackStorage, ...: TorchRL's path and errors
-        IndexSync.attach(storage)
-        data = getattr(storage, "_storage", None)
-        return data is None or is_tensor_collection(data)
-
-    # ------------------------------------------------------------------------ sampling
-    def _fr_batch(self, batch_size: int) -> tuple[int, int]:
-        """``(seq_length, num_slices)`` from the current ``num_slices``/``slice_len``.
-
-        Read at each call, as TorchRL does (``num_slices`` wins when both are set); a value
-        assigned since construction is checked here as the constructor checks it.
-        """
-        if self.num_slices is not None:
-            name = "num_slices"
-        elif self.slice_len is not None:
-            name = "slice_len"
-        else:
-            raise TypeError(
-                "Either num_slices or slice_len must be set, got num_slices=None and "
-                "slice_len=None; assign one of them (e.g. sampler.num_slices = 4)."
-            )
-        size = int(_check_count(name, getattr(self, name)))
-        if batch_size % size:
-            raise SliceSamplerError(
-                f"batch_size={batch_size} is not divisible by {name}={size}; pass a batch "
-                f"size that is a multiple of {size} (e.g. {max(1, batch_size // size) * size})."
-            )
-        if name == "num_slices":
-            return batch_size // size, size
-        return size, batch_size // size
-
     def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> tuple:
+        """TorchRL's ``(start, stop, length)`` of the stored trajectories, from the index."""
         if not self._fr_indexed(storage) or storage_len(storage) == 0:
             return super()._get_stop_and_length(storage, fallback)
-        sync = self._fr_sync
-        start, stop, length, col = sync.sync(storage, self).boundaries()
-        device = sync.device
-        return (
-            sync.with_coords(storage, start, col).to(device),
-            sync.with_coords(storage, stop, col).to(device),
-            torch.from_numpy(length).to(device),
-        )
+        return index_boundaries(self, storage)
 
     def _get_index(
         self,
@@ -433,7 +505,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         by :meth:`_fr_info` on a CPU storage, the same values (the flags and markers of the
         sampled steps; the stored done flags not gathered when they are the boundaries).
         """
-        draw = torch.rand(start.shape[0], device=device, generator=self._rng)
+        draw = torch.rand(start.shape[0], device=device, generator=sampler_generator(self))
         (steps,), heads = slice_index(start, seq, rows, length=length, draw=draw.cpu().numpy())
         if (
             synced
@@ -500,7 +572,9 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
     def _finalize_index(self, *, storage: Any, **kwargs: Any) -> tuple[Any, dict]:
         """TorchRL's, reading only the keys it needs at the sampled rows (:class:`_SignalRows`).
 
-        Same index and info, bit for bit; TorchRL gathers the whole sample here first.
+        Same index and info, bit for bit; TorchRL gathers the whole sample here first. On
+        TorchRL 0.13, which has no such hook, the end of its ``_get_index``
+        (:func:`fastreplay._torchrl.finalize_index`).
         """
         if (
             isinstance(storage, TensorStorage)
@@ -508,7 +582,11 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             and is_tensor_collection(getattr(storage, "_storage", None))
         ):
             storage = _SignalRows(storage)
-        return super()._finalize_index(storage=storage, **kwargs)
+        return finalize_index(super(), self, storage=storage, **kwargs)
+
+    # The nightly's short flat batch warning (attributed past fastreplay's frames), on every
+    # version: a no-op where TorchRL does not warn. TorchRL's own ``sample`` calls it too.
+    _warn_if_short_batch = warn_if_short_batch
 
     def _fr_prepare(self, storage: Any, batch_size: int) -> tuple[int, int, int, Any, int, int]:
         """The common start of a slice ``sample``: sizes, the synced index, trajectory counts.
@@ -522,8 +600,9 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
             SliceSamplerError: an empty storage, or no trajectory long enough with
                 ``strict_length=True``.
         """
-        if self._batch_size_multiplier is not None:
-            batch_size = batch_size * self._batch_size_multiplier
+        multiplier = batch_size_multiplier(self)
+        if multiplier is not None:
+            batch_size = batch_size * multiplier
         seq_length, num_slices = self._fr_batch(batch_size)
         if storage_len(storage) == 0:
             raise SliceSamplerError(
@@ -546,41 +625,22 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         def can_sample(self, storage: Any, batch_size: int) -> bool:
             """Whether a slice of ``batch_size``'s length fits, as TorchRL decides it.
 
-            TorchRL counts the slice windows of every stored trajectory (``O(items stored)``
-            after a write, at every ``sample(wait=True)``, ``wait_until_sampleable`` and
-            ``RateLimitedReplayBuffer`` check). A window exists when some trajectory is at
-            least that long (``strict_length=True``) or any trajectory is stored: the index
-            keeps those counts, so this is ``O(columns)`` after the incremental update.
+            From the index (:func:`index_can_sample`): ``O(columns)`` after the incremental
+            update, where TorchRL counts the windows of every stored trajectory.
             """
             if not self._fr_indexed(storage) or storage_len(storage) == 0:
                 return super().can_sample(storage, batch_size)
-            seq_length, _ = self._adjusted_batch_size(batch_size)  # TorchRL's errors
-            try:
-                index = self._fr_sync.sync(storage, self)
-            except (KeyError, RuntimeError):  # as TorchRL: no boundaries, nothing to sample
-                return False
-            return bool(index.counts(seq_length if self.strict_length else 1).sum() > 0)
+            return index_can_sample(self, storage, batch_size)
 
         def _sampleable_count(self, storage: Any, batch_size: int) -> Any:
             """How many slices of ``batch_size``'s length can start, as TorchRL counts them.
 
-            TorchRL sums ``max(0, L - slice_len + 1)`` over every stored trajectory length
-            ``L`` (``strict_length=False``: at least 1 per trajectory), after reading all
-            boundaries; ``SamplerEnsemble`` weighs its members by it. The index keeps the
-            lengths of the trajectories long enough summed, so this is ``O(columns)`` after
-            the incremental update. Returns an int64 tensor, as TorchRL's.
+            From the index (:func:`index_sampleable_count`): ``O(columns)`` after the
+            incremental update, where TorchRL reads every boundary. An int64 tensor.
             """
             if not self._fr_indexed(storage) or storage_len(storage) == 0:
                 return super()._sampleable_count(storage, batch_size)
-            seq_length, _ = self._adjusted_batch_size(batch_size)  # TorchRL's errors
-            try:
-                index = self._fr_sync.sync(storage, self)
-            except (KeyError, RuntimeError):  # as TorchRL: no boundaries, nothing to sample
-                return 0
-            count = int(index.windows(seq_length).sum())
-            if not self.strict_length:  # shorter trajectories give one (short) slice each
-                count += int(index.counts(1).sum() - index.counts(seq_length).sum())
-            return torch.tensor(count, device=self._fr_sync.device)
+            return index_sampleable_count(self, storage, batch_size)
 
     def sample(self, storage: Any, batch_size: int) -> tuple[Any, dict]:
         """Sample ``batch_size`` steps as slices: ``O(batch)`` after the incremental update."""
@@ -596,7 +656,7 @@ class SliceSampler(SliceSamplerBase, metaclass=_SliceSamplerMeta):
         ranks = torch.randint(
             n_long if min_length > 1 else n_all,
             (num_slices,),
-            generator=self._rng,
+            generator=sampler_generator(self),
             device=device,  # TorchRL draws on the storage's device: same numbers
         )
         start, length, col = index.select(ranks.cpu().numpy(), min_length)

@@ -1,8 +1,8 @@
 """``SliceSamplerWithoutReplacement``: TorchRL's epoch-based slice sampler on the trajectory index.
 
-A thin adapter: a :class:`fastreplay.SliceSampler` (as TorchRL's class is a TorchRL
-``SliceSampler``) whose trajectory boundaries come from the inherited incremental index; the
-epoch bookkeeping (``drop_last``, ``shuffle``,
+A thin adapter: a :class:`fastreplay.SliceSampler` placed before TorchRL's class (as TorchRL's
+class is a TorchRL ``SliceSampler``), whose trajectory boundaries come from the inherited
+incremental index; the epoch bookkeeping (``drop_last``, ``shuffle``,
 a new epoch when the number of trajectories changes) follows TorchRL's
 ``SamplerWithoutReplacement``, with large shuffled epochs drawn lazily by
 :class:`fastreplay._core.epoch_permutation.EpochPermutation`.
@@ -22,19 +22,20 @@ from fastreplay._torchrl import (
     _REPLACEMENT_DISPATCH,
     HAS_CAN_SAMPLE,
     STATIC_BOUNDARIES,
-    SliceSamplerWithoutReplacementBase,
     Storage,
     TorchRLSliceSamplerWithoutReplacement,
     is_batch_time,
+    new_sample_list,
     pads_short_slices,
+    sampler_generator,
+    storage_len,
 )
-from fastreplay.samplers._index_sync import IndexSync
-from fastreplay.samplers.slice import SliceSampler, _check_count
+from fastreplay.samplers.slice import SliceSampler
 
 __all__ = ["SliceSamplerWithoutReplacement"]
 
 
-class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacementBase):
+class SliceSamplerWithoutReplacement(SliceSampler, TorchRLSliceSamplerWithoutReplacement):
     """Drop-in ``torchrl.data.SliceSamplerWithoutReplacement`` that does not rescan the buffer.
 
     Same arguments, outputs and epoch semantics as TorchRL's class: each ``sample`` takes the
@@ -88,12 +89,9 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
                 errors for exclusive, missing or unknown arguments).
             SliceSamplerError: ``num_slices``/``slice_len`` is below 1 (a ``ValueError``).
         """
-        # TorchRL's __init__ (it runs TorchRL's SliceSampler.__init__ and the epoch state's),
-        # with the installed version's arguments as they are.
-        TorchRLSliceSamplerWithoutReplacement.__init__(self, **kwargs)
-        self.num_slices = _check_count("num_slices", self.num_slices)
-        self.slice_len = _check_count("slice_len", self.slice_len)
-        self._fr_sync = IndexSync()  # storage -> trajectory index
+        # fastreplay.SliceSampler's, which runs TorchRL's __init__ (TorchRL's SliceSampler's
+        # and the epoch state's) with the installed version's arguments as they are.
+        super().__init__(**kwargs)
         # Static boundaries are a constructor argument: TorchRL's path serves them for good.
         self._fr_static = STATIC_BOUNDARIES in self._cache
         self._fr_perm = EpochPermutation()
@@ -120,8 +118,8 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         Plus, up to ``4096`` trajectories, ``O(trajectories)`` whenever a new permutation is
         drawn (end of an epoch, or a change in the number of stored trajectories), as TorchRL.
         """
-        if not self._fr_indexed(storage):
-            return TorchRLSliceSamplerWithoutReplacement.sample(self, storage, batch_size)
+        if not self._fr_indexed(storage):  # (SliceSampler.sample then runs TorchRL's)
+            return super().sample(storage, batch_size)
         batch_size, seq_length, num_slices, index, n_all, n_long = self._fr_prepare(
             storage, batch_size
         )
@@ -177,7 +175,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         gathered from the storage, where TorchRL gathers every stored key of the sampled steps
         (``storage[index]``) to read two or three.
         """
-        draw = torch.rand(start.size, generator=self._rng).numpy()
+        draw = torch.rand(start.size, generator=sampler_generator(self)).numpy()
         steps, heads = slice_index(
             start,
             seq if isinstance(seq, int) else seq.numpy(),
@@ -200,7 +198,8 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
             ``drop_last`` for enough items, and with ``strict_length`` not for a trajectory
             long enough (the sample then raises, as TorchRL's does).
             """
-            return TorchRLSliceSamplerWithoutReplacement.can_sample(self, storage, batch_size)
+            stored = storage_len(storage)  # ``len(storage)``
+            return stored >= batch_size if self.drop_last else stored > 0
 
     # ------------------------------------------------------------------------- epochs
     # TorchRL keeps an epoch as ``_sample_list``: the trajectories left in a permutation drawn
@@ -246,7 +245,8 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
         self.len_storage = n_all
         if self._fr_lazy:
             perm = self._fr_perm
-            ranks = perm.draw(num_slices, self._rng) if self.shuffle else perm.take(num_slices)
+            rng = sampler_generator(self)
+            ranks = perm.draw(num_slices, rng) if self.shuffle else perm.take(num_slices)
             left = perm.remaining
         else:  # TorchRL's list: taken in order
             ranks = self._fr_list[:num_slices].cpu().numpy()
@@ -261,7 +261,7 @@ class SliceSamplerWithoutReplacement(SliceSampler, SliceSamplerWithoutReplacemen
     def _fr_new_epoch(self, storage: Any, n_all: int, num_slices: int) -> None:
         """A new permutation of ``n_all`` trajectories (TorchRL's ``_get_sample_list``)."""
         if n_all <= self._fr_lazy_above:
-            self._get_sample_list(storage, n_all, batch_size=num_slices)
+            new_sample_list(self, storage, n_all, num_slices)
             return
         self._fr_perm.reset(n_all)  # O(1) amortised
         self._fr_list, self._fr_lazy = None, True
