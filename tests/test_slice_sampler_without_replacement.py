@@ -27,7 +27,7 @@ from fastreplay import SliceSamplerWithoutReplacement
 from fastreplay._core.epoch_permutation import EpochPermutation
 from fastreplay._core.trajectory_index import TrajectoryIndex
 from fastreplay.samplers.slice import SliceSamplerError
-from test_slice_sampler import DONE, Episodes
+from test_slice_sampler_same_seed import DONE, Episodes
 
 WOR = SliceSamplerWithoutReplacement
 REF = TorchRLSliceSamplerWithoutReplacement
