@@ -1,6 +1,8 @@
 """Row writes into, and row gathers from, the leaf tensors of a TensorDict storage.
 
-Pure core, no TorchRL imports. A replay buffer's ``TensorStorage`` keeps its rows in one
+No TorchRL classes: tensordict's fields are read and TensorDicts built through the compat
+module (:func:`fastreplay._torchrl.td_parts`, :data:`fastreplay._torchrl.new_tensordict`). A
+replay buffer's ``TensorStorage`` keeps its rows in one
 ``TensorDict`` whose leaves have the storage capacity as first dimension. TorchRL writes and
 reads it through ``TensorDict.__setitem__`` / ``__getitem__`` with an index tensor, which
 re-validates keys, shapes and batch sizes on every call. When the incoming rows have exactly
@@ -36,7 +38,8 @@ from typing import Any
 
 import torch
 from tensordict import MemoryMappedTensor, TensorDict
-from tensordict.utils import _StringOnlyDict
+
+from fastreplay._torchrl import TensorDictFields, new_tensordict, td_parts
 
 __all__ = [
     "entry",
@@ -87,8 +90,9 @@ def write_pairs(
 
 
 def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: list) -> bool:
-    stored, incoming = store._tensordict, rows._tensordict
-    if not _same_rest(rows._batch_size, store._batch_size):
+    stored, stored_size, _, _ = td_parts(store)
+    incoming, incoming_size, _, _ = td_parts(rows)
+    if not _same_rest(incoming_size, stored_size):
         return False
     if skip is not None:
         if skip in incoming or skip not in stored:
@@ -154,13 +158,15 @@ def gather_plan(store: TensorDict) -> Plan | None:
     plain tensor, on the CPU, or on the level's device (an accelerator storage's TensorDict
     carries its device). O(number of leaves).
     """
-    if type(store) is not TensorDict or store._td_dim_names is not None:
+    if type(store) is not TensorDict:
+        return None
+    fields, size, device, names = td_parts(store)
+    if names is not None:
         return None
     entries: list[tuple[str, Any]] = []
     flat = True
-    device = store._device
     on_host = device is None or device.type == "cpu"
-    for key, leaf in store._tensordict.items():
+    for key, leaf in fields.items():
         if type(leaf) is TensorDict:
             nested = gather_plan(leaf)
             if nested is None:
@@ -171,7 +177,6 @@ def gather_plan(store: TensorDict) -> Plan | None:
             entries.append((key, leaf))
         else:
             return None
-    size = store._batch_size
     rest = _NO_REST if len(size) == 1 else size[1:]  # (a torch.Size slice is slow)
     return rest, device, entries, flat and not rest
 
@@ -267,7 +272,7 @@ def _gather_flat(
                 return None
     else:
         extra = {}
-    out = _StringOnlyDict()
+    out = TensorDictFields()
     for key, leaf in plan[2]:
         value = extra.get(key)
         if value is not None:  # a stored entry of that name keeps its place, not read
@@ -278,7 +283,7 @@ def _gather_flat(
     for key, value in extra.items():
         if key not in out:
             out[key] = value
-    return _new_td(out, head, plan[1])
+    return new_tensordict(out, head, plan[1])
 
 
 def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
@@ -360,7 +365,7 @@ def _gather_level(
     alloc: Alloc | None = None,
 ) -> TensorDict:
     rest, device, entries = plan[0], plan[1], plan[2]
-    out = _StringOnlyDict()
+    out = TensorDictFields()
     for key, leaf in entries:
         value = put.get(key)
         if value is not None and type(value) is not dict:
@@ -383,46 +388,14 @@ def _gather_level(
     for key, value in put.items():
         if key not in out:
             out[key] = value
-    return _new_td(out, head + rest if rest else head, device)
-
-
-def _new_td_unsafe(entries: _StringOnlyDict, batch_size: torch.Size, device: Any) -> TensorDict:
-    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device, nested=False)
-
-
-def _new_td_direct(entries: _StringOnlyDict, batch_size: torch.Size, device: Any) -> TensorDict:
-    """What ``TensorDict._new_unsafe`` builds, its four fields set directly.
-
-    No device parsing and no compile check: a fifth of ``_new_unsafe``'s time per sample.
-    """
-    out = _object_new(TensorDict)
-    out._device = device
-    out._tensordict = entries
-    out._batch_size = batch_size
-    out._td_dim_names = None
-    return out
-
-
-def _direct_matches() -> bool:
-    """Whether :func:`_new_td_direct` gives ``_new_unsafe``'s object (this tensordict)."""
-    size = torch.Size((2,))
-    try:
-        reference = _new_td_unsafe(_StringOnlyDict(), size, None)
-        direct = _new_td_direct(_StringOnlyDict(), size, None)
-    except Exception:  # pragma: no cover - another tensordict
-        return False
-    return vars(reference) == vars(direct)
-
-
-_object_new = object.__new__
-_new_td = _new_td_direct if _direct_matches() else _new_td_unsafe
+    return new_tensordict(out, head + rest if rest else head, device)
 
 
 # ---------------------------------------------------------------------- reads of a TensorDict
 def entry(data: Any, key: Any) -> Any:
     """``data.get(key)`` (``None`` if absent); a top-level ``str`` key without key parsing."""
     if type(data) is TensorDict and type(key) is str:
-        return data._tensordict.get(key)
+        return td_parts(data)[0].get(key)
     return data.get(key, None)
 
 
@@ -434,8 +407,9 @@ def write_fields(
     Both are exact ``TensorDict``s (``write_pairs`` checked): their fields are read directly
     (the properties re-parse nothing, but cost a call each). O(1).
     """
-    n = data._batch_size[0] if data._batch_size else 0
-    return n, store._tensordict["index"], data._device, store._batch_size[0]
+    _, size, device, _ = td_parts(data)
+    fields, store_size, _, _ = td_parts(store)
+    return size[0] if size else 0, fields["index"], device, store_size[0]
 
 
 def priority_rows(data: Any, key: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -448,10 +422,9 @@ def priority_rows(data: Any, key: Any) -> tuple[torch.Tensor, torch.Tensor] | No
     """
     if type(data) is not TensorDict or type(key) is not str:
         return None
-    shape = data._batch_size
+    fields, shape, _, _ = td_parts(data)
     if len(shape) != 1:
         return None
-    fields = data._tensordict
     priority, index = fields.get(key), fields.get("index")
     if (
         type(priority) is not torch.Tensor
