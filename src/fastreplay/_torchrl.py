@@ -820,7 +820,11 @@ def without_transform(buffer: Any) -> bool:
 
     Reads ``ReplayBuffer._transform`` and the ``Compose``'s submodule registry. O(1).
     """
-    transform = buffer.__dict__.get("_transform")
+    return _no_transform(buffer.__dict__.get("_transform"))
+
+
+def _no_transform(transform: Any) -> bool:
+    """Whether ``transform`` is ``None`` or an empty ``Compose``."""
     if transform is None:
         return True
     if type(transform) is not Compose:
@@ -833,27 +837,30 @@ def without_transform(buffer: Any) -> bool:
 def plain_storage(buffer: Any, prefetch: bool) -> Any:
     """The buffer's storage if TorchRL's parts are in their plain set-up, else ``None``. O(1).
 
-    Plain: :func:`plain_buffer`, a tensor storage of exactly a TorchRL class
+    Plain: initialised, synchronous, ``dim_extend=0`` (as :func:`plain_buffer`), a tensor
+    storage of exactly a TorchRL class
     (:data:`TENSOR_STORAGES`), initialised, 1-D and not compilable, written by exactly a
     ``TensorDictRoundRobinWriter`` that is not compilable and tracks no generations (the
     storage keeps none: ``_slot_generations``); the buffer not shared, not prefetching (unless
     ``prefetch``), TorchRL's default collate
     function, no transform (:func:`without_transform`), its sampler not consuming. A field
-    TorchRL did not set declines (a set-up this check does not know).
+    TorchRL did not set declines (a set-up this check does not know). Read here in one pass,
+    not through the accessors above: this runs on every direct ``extend`` and ``sample``.
     """
-    if not plain_buffer(buffer):
-        return None
     state = buffer.__dict__
     storage = state.get("_storage")
-    writer = buffer_writer(buffer)
+    writer = state.get("_writer")
     if (
-        type(storage) not in TENSOR_STORAGES
+        not state.get("_initialized", False)
+        or type(storage) not in TENSOR_STORAGES
         or type(writer) is not TensorDictRoundRobinWriter
         or state.get("shared", True)
         or (state.get("_prefetch", True) and not prefetch)
-        or collate_fn(buffer) is not _collate_id
-        or not without_transform(buffer)
-        or _consuming(type(buffer_sampler(buffer)))
+        or state.get("_dim_extend") != 0
+        or state.get("_collate_fn") is not _collate_id
+        or not state.get("_sync", True)
+        or not _no_transform(state.get("_transform"))
+        or _consuming(type(state.get("_sampler")))
     ):
         return None
     stored, written = storage.__dict__, writer.__dict__
@@ -922,7 +929,7 @@ def anchored_priority(buffer: Any, data: Any) -> Any:
     return buffer._anchor_reduced_priority(data, buffer._get_priority_vector(data))
 
 
-def write_counters(buffer: Any, storage: Any) -> tuple[_Synchronized, ...] | None:
+def _write_counters(buffer: Any, storage: Any) -> tuple[_Synchronized, ...] | None:
     """The shared counters a write of the buffer updates, or ``None`` if one is missing. O(1).
 
     ``(writer cursor, writer write count, storage length, storage last cursor index, storage
@@ -930,7 +937,7 @@ def write_counters(buffer: Any, storage: Any) -> tuple[_Synchronized, ...] | Non
     (``_cursor_value``, ``_write_count_value``, ``_len_value``, ``_last_cursor_index_value``,
     ``_mutation_revision_value``), made by the write that initialised the storage.
     """
-    written, stored = buffer_writer(buffer).__dict__, storage.__dict__
+    written, stored = buffer.__dict__["_writer"].__dict__, storage.__dict__
     counters = (
         written.get("_cursor_value"),
         written.get("_write_count_value"),
@@ -955,17 +962,23 @@ def _add(counter: _Synchronized, n: int) -> None:
 
 
 def claim_rows(
-    storage: Any, counters: tuple[_Synchronized, ...], n: int, capacity: int, device: Any
-) -> torch.Tensor:
+    buffer: Any, storage: Any, n: int, capacity: int, device: Any
+) -> torch.Tensor | None:
     """The rows a write of ``n`` rows goes to, with TorchRL's bookkeeping before the data.
 
-    ``TensorDictRoundRobinWriter.extend``'s: the cursor read and moved in one holding of its
-    lock, the write count; the rows, an ``arange`` on ``device`` (the CPU for ``None``) wrapped
-    around ``capacity``; then ``TensorStorage.set``'s: the last cursor (``_last_cursor``), its
-    row and the length. Each counter under its own lock, as TorchRL's properties (the lock's
-    ``acquire``/``release``: ``with`` goes through two Python methods of ``multiprocessing``).
-    O(n).
+    ``None``, with nothing changed, where a counter below is missing (the write that
+    initialises the storage makes them: it takes TorchRL's path). Otherwise
+    ``TensorDictRoundRobinWriter.extend``'s bookkeeping: the cursor read and moved in one
+    holding of its lock, the write count; the rows, an ``arange`` on ``device`` (the CPU for
+    ``None``) wrapped around ``capacity``; then ``TensorStorage.set``'s: the last cursor
+    (``_last_cursor``), its row and the length. Each counter is updated under its own lock, as
+    TorchRL's properties do (the lock's ``acquire``/``release``: ``with`` goes through two
+    Python methods of ``multiprocessing``). Follow with :func:`rows_written` once the rows
+    are written. O(n).
     """
+    counters = _write_counters(buffer, storage)
+    if counters is None:
+        return None
     cursor_value, count_value, len_value, last_value, _ = counters
     lock = cursor_value.get_lock()
     lock.acquire()
@@ -999,16 +1012,17 @@ def claim_rows(
     return index
 
 
-def rows_written(storage: Any, counters: tuple[_Synchronized, ...], index: torch.Tensor) -> None:
-    """TorchRL's bookkeeping after the rows ``index`` were written into ``storage``.
+def rows_written(buffer: Any, storage: Any, index: torch.Tensor) -> None:
+    """TorchRL's bookkeeping after the rows ``index`` (:func:`claim_rows`) were written.
 
-    ``TensorStorage.set`` counts the write (mutation revision); the writer then tells every
-    buffer attached to the storage (``_attached_entities``; their samplers mark the rows).
-    O(buffers attached).
+    ``TensorStorage.set`` counts the write (mutation revision); the writer tells every buffer
+    attached to the storage (``_attached_entities``; their samplers mark the rows); then the
+    buffer tells its sampler (``extend``). O(buffers attached) on top of the samplers.
     """
-    _add(counters[4], 1)
+    _add(storage.__dict__["_mutation_revision_value"], 1)
     for entity in storage._attached_entities:
         entity.mark_update(index)
+    buffer.__dict__["_sampler"].extend(index)
 
 
 def storage_full(storage: Any) -> bool:
@@ -1198,8 +1212,9 @@ class Bookkeeping:
             """After a sample: one more call, and the records it returned (``stats()``)."""
             calls, items = SAMPLE_COUNTERS
             count = sampled_items(index, buffer._storage)
-            buffer._increment_counter(calls, 1)
-            buffer._increment_counter(items, count)
+            increment = buffer._increment_counter
+            increment(calls, 1)
+            increment(items, count)
 
     else:
 
@@ -1318,7 +1333,7 @@ else:
         return ReplayBoundaryIndex(
             end=done,
             at_capacity=storage_full(storage),
-            cursor=getattr(storage, "_last_cursor_index", None),
+            cursor=last_cursor_row(storage),  # its ``_last_cursor_index``
             device=device,
             storage=storage,
             source=("end", done_key),

@@ -75,7 +75,6 @@ from fastreplay._torchrl import (
     sample_batch_size,
     storage_len,
     without_transform,
-    write_counters,
 )
 from fastreplay.buffers import huge_pages
 from fastreplay.buffers import rows as _rows
@@ -186,7 +185,7 @@ class PathChoice:
             or (not staged and state.get("_fr_device") is not None)
         ):
             return None
-        return plain_storage(self, prefetch=staged)
+        return plain_storage(self, staged)
 
     # ------------------------------------------------------------------ writes
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -310,11 +309,10 @@ class PathChoice:
         storage = self._fr_plain()
         if storage is None:
             return None
-        store = storage._storage
-        pairs = _rows.write_pairs(store, data, skip="index")
-        if pairs is None:
+        plan = _rows.write_plan(storage._storage, data, skip="index")
+        if plan is None:
             return None
-        n, index_leaf, device, store_rows = _rows.write_fields(store, data)
+        pairs, n, index_leaf, device, store_rows = plan
         capacity = storage.max_size
         if (
             not 0 < n <= capacity
@@ -331,19 +329,15 @@ class PathChoice:
             device = None
         elif index_leaf.device != device:
             return None
-        # The shared counters TorchRL's properties wrap (created by the first write, which
-        # initialised the storage through the general path).
-        counters = write_counters(self, storage)
-        if counters is None:
+        # The writer's bookkeeping, then the storage's, in TorchRL's order (``None``: the
+        # shared counters they update are not made yet); the rows; the mutation revision, the
+        # buffers attached to the storage (their samplers mark the rows), the buffer's sampler.
+        index = claim_rows(self, storage, n, capacity, device)
+        if index is None:
             return None
-        # The writer's bookkeeping, then the storage's, in TorchRL's order; the rows; the
-        # mutation revision, the buffers attached to the storage (their samplers mark the
-        # rows); then the buffer tells its sampler.
-        index = claim_rows(storage, counters, n, capacity, device)
         pairs.append((index_leaf, index))
         _rows.write_rows(pairs, index)
-        rows_written(storage, counters, index)
-        buffer_sampler(self).extend(index)
+        rows_written(self, storage, index)
         return index
 
     # ------------------------------------------------------------------ priorities

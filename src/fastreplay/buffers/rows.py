@@ -47,8 +47,8 @@ __all__ = [
     "gather_rows",
     "on_device",
     "priority_rows",
-    "write_fields",
     "write_pairs",
+    "write_plan",
     "write_rows",
 ]
 
@@ -83,15 +83,40 @@ def write_pairs(
         rows: The incoming rows (first dimension: number of rows).
         skip: A top-level key of ``store`` that ``rows`` must not hold (written separately).
     """
+    plan = write_plan(store, rows, skip=skip)
+    return None if plan is None else plan[0]
+
+
+def write_plan(
+    store: TensorDict, rows: TensorDict, *, skip: str | None = None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, Any, Any, int] | None:
+    """:func:`write_pairs`, with what a write needs besides, or ``None`` (not a plain match).
+
+    Returns:
+        ``(pairs, rows in rows, the stored leaf at skip (None without skip), rows's device,
+        rows in store)``. O(number of leaves).
+    """
     if type(rows) is not TensorDict or type(store) is not TensorDict:
         return None
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    return pairs if _pair_level(store, rows, skip, pairs) else None
-
-
-def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: list) -> bool:
     stored, stored_size, _, _ = td_parts(store)
-    incoming, incoming_size, _, _ = td_parts(rows)
+    incoming, incoming_size, device, _ = td_parts(rows)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if not _pair_level(stored, stored_size, incoming, incoming_size, skip, pairs):
+        return None
+    n = incoming_size[0] if incoming_size else 0
+    skipped = None if skip is None else stored[skip]
+    return pairs, n, skipped, device, stored_size[0]
+
+
+def _pair_level(
+    stored: dict,
+    stored_size: torch.Size,
+    incoming: dict,
+    incoming_size: torch.Size,
+    skip: str | None,
+    pairs: list,
+) -> bool:
+    """One level of :func:`write_plan`: the entries and batch sizes of both TensorDicts."""
     if not _same_rest(incoming_size, stored_size):
         return False
     if skip is not None:
@@ -108,7 +133,11 @@ def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: li
         if value is None:
             return False
         if type(leaf) is TensorDict:
-            if type(value) is not TensorDict or not _pair_level(leaf, value, None, pairs):
+            if type(value) is not TensorDict:
+                return False
+            nested, nested_size, _, _ = td_parts(leaf)
+            given, given_size, _, _ = td_parts(value)
+            if not _pair_level(nested, nested_size, given, given_size, None, pairs):
                 return False
             continue
         if (
@@ -397,19 +426,6 @@ def entry(data: Any, key: Any) -> Any:
     if type(data) is TensorDict and type(key) is str:
         return td_parts(data)[0].get(key)
     return data.get(key, None)
-
-
-def write_fields(
-    store: TensorDict, data: TensorDict
-) -> tuple[int, torch.Tensor, torch.device | None, int]:
-    """``(rows in data, store's "index" leaf, data's device, store's rows)`` for a write.
-
-    Both are exact ``TensorDict``s (``write_pairs`` checked): their fields are read directly
-    (the properties re-parse nothing, but cost a call each). O(1).
-    """
-    _, size, device, _ = td_parts(data)
-    fields, store_size, _, _ = td_parts(store)
-    return size[0] if size else 0, fields["index"], device, store_size[0]
 
 
 def priority_rows(data: Any, key: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
