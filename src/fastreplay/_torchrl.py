@@ -789,12 +789,17 @@ def buffer_sampler(buffer: Any) -> Any:
     """The buffer's sampler (``ReplayBuffer._sampler``), ``None`` before it exists. O(1).
 
     Unlike the ``sampler`` property, never runs a delayed initialisation.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     return buffer.__dict__.get("_sampler")
 
 
 def buffer_writer(buffer: Any) -> Any:
-    """The buffer's writer (``ReplayBuffer._writer``), ``None`` before it exists. O(1)."""
+    """The buffer's writer (``ReplayBuffer._writer``), ``None`` before it exists. O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
     return buffer.__dict__.get("_writer")
 
 
@@ -803,6 +808,8 @@ def replay_lock(buffer: Any) -> Any:
 
     The same ``threading.RLock`` on every version; TorchRL's methods hold it, then the write
     lock (``_write_lock``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     return buffer._replay_lock
 
@@ -811,6 +818,8 @@ def collate_fn(buffer: Any) -> Any:
     """The buffer's collate function (``ReplayBuffer._collate_fn``), ``None`` before it exists.
 
     TorchRL's default for a tensor storage is ``_collate_id`` (the data as it is). O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     return buffer.__dict__.get("_collate_fn")
 
@@ -819,6 +828,8 @@ def without_transform(buffer: Any) -> bool:
     """Whether the buffer applies no transform: none, or the empty ``Compose`` TorchRL builds.
 
     Reads ``ReplayBuffer._transform`` and the ``Compose``'s submodule registry. O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     return _no_transform(buffer.__dict__.get("_transform"))
 
@@ -846,6 +857,8 @@ def plain_storage(buffer: Any, prefetch: bool) -> Any:
     function, no transform (:func:`without_transform`), its sampler not consuming. A field
     TorchRL did not set declines (a set-up this check does not know). Read here in one pass,
     not through the accessors above: this runs on every direct ``extend`` and ``sample``.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """
     state = buffer.__dict__
     storage = state.get("_storage")
@@ -893,6 +906,8 @@ def plain_buffer(buffer: Any) -> bool:
     Then TorchRL's ``ReplayBuffer.update_priority`` calls ``sampler.update_priority(index,
     priority, storage=storage)`` under its locks once ``torch.as_tensor`` and the transpose it
     skips for ``dim_extend=0`` are done; :func:`plain_storage` checks the rest of a plain set-up.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     state = buffer.__dict__
     return (
@@ -908,6 +923,8 @@ def sample_batch_size(buffer: Any, batch_size: int | None) -> int | None:
     ``None`` where ``ReplayBuffer.sample`` would raise or warn (no batch size anywhere; one
     that differs from the buffer's before the one-time warning), or waits for another buffer
     or service first (``_service_shutdown``, ``_sample_dependency``). O(1).
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """
     state = buffer.__dict__
     if state.get("_service_shutdown", True) or state.get("_sample_dependency") is not None:
@@ -925,6 +942,8 @@ def anchored_priority(buffer: Any, data: Any) -> Any:
 
     ``TensorDictReplayBuffer.update_tensordict_priority``'s own steps
     (``_get_priority_vector``, then ``_anchor_reduced_priority``): ``(index, priority)``.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """
     return buffer._anchor_reduced_priority(data, buffer._get_priority_vector(data))
 
@@ -936,6 +955,8 @@ def _write_counters(buffer: Any, storage: Any) -> tuple[_Synchronized, ...] | No
     mutation revision)``: the ``multiprocessing`` values behind TorchRL's properties
     (``_cursor_value``, ``_write_count_value``, ``_len_value``, ``_last_cursor_index_value``,
     ``_mutation_revision_value``), made by the write that initialised the storage.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """
     written, stored = buffer.__dict__["_writer"].__dict__, storage.__dict__
     counters = (
@@ -975,6 +996,8 @@ def claim_rows(
     TorchRL's properties do (the lock's ``acquire``/``release``: ``with`` goes through two
     Python methods of ``multiprocessing``). Follow with :func:`rows_written` once the rows
     are written. O(n).
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """
     counters = _write_counters(buffer, storage)
     if counters is None:
@@ -1018,6 +1041,8 @@ def rows_written(buffer: Any, storage: Any, index: torch.Tensor) -> None:
     ``TensorStorage.set`` counts the write (mutation revision); the writer tells every buffer
     attached to the storage (``_attached_entities``; their samplers mark the rows); then the
     buffer tells its sampler (``extend``). O(buffers attached) on top of the samplers.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """
     _add(storage.__dict__["_mutation_revision_value"], 1)
     for entity in storage._attached_entities:
@@ -1029,12 +1054,17 @@ def storage_full(storage: Any) -> bool:
     """Whether the storage has written all its rows once (``Storage._is_full``). O(1).
 
     ``False`` for an object that is no TorchRL storage.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     return bool(getattr(storage, "_is_full", False))
 
 
 def storage_last_cursor(storage: Any) -> Any:
-    """The cursor of the storage's last ``set`` as passed (``_last_cursor``), or ``None``."""
+    """The cursor of the storage's last ``set`` as passed (``_last_cursor``), or ``None``.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
     return getattr(storage, "_last_cursor", None)
 
 
@@ -1043,6 +1073,8 @@ def writer_counts(buffer: Any) -> tuple[int, int]:
 
     The writer's ``_write_count`` and ``_cursor`` properties (shared with other processes);
     0 for what the writer lacks (none before the buffer's delayed initialisation).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     writer = buffer_writer(buffer)
     count, cursor = getattr(writer, "_write_count", 0), getattr(writer, "_cursor", 0)
@@ -1050,32 +1082,50 @@ def writer_counts(buffer: Any) -> tuple[int, int]:
 
 
 def make_storage(buffer: Any, storage: Any, compilable: bool) -> Any:
-    """The storage TorchRL's buffer constructors make of ``storage`` (``_maybe_make_storage``)."""
+    """The storage TorchRL's buffer constructors make of ``storage`` (``_maybe_make_storage``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
     return buffer._maybe_make_storage(storage, compilable=compilable)
 
 
 def her_episode_ends(buffer: Any, storage: Any) -> Any:
-    """``HERReplayBuffer``'s episode ends read from the whole storage (``_build_episode_cache``)."""
+    """``HERReplayBuffer``'s episode ends read from the whole storage (``_build_episode_cache``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
     return buffer._build_episode_cache(storage)
 
 
 def her_cache_key(buffer: Any, storage: Any) -> Any:
-    """``HERReplayBuffer``'s cache key of the storage as it is (``_storage_cache_key``)."""
+    """``HERReplayBuffer``'s cache key of the storage as it is (``_storage_cache_key``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
     return buffer._storage_cache_key(storage)
 
 
 def her_terminated_key(buffer: Any) -> Any:
-    """The ``terminated`` key ``HERReplayBuffer`` reads beside ``end_key`` (``_terminated_key``)."""
+    """The ``terminated`` key ``HERReplayBuffer`` reads beside ``end_key`` (``_terminated_key``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
     return buffer._terminated_key()
 
 
 def unit_check_storage(unit: Any, storage: Any) -> None:
-    """A sample unit's check of the storage it expands in (``SampleUnit._check_storage``)."""
+    """A sample unit's check of the storage it expands in (``SampleUnit._check_storage``).
+
+    Checked on 0.14.1 and the nightly (0.13.3 has no sample units).
+    """
     unit._check_storage(storage)
 
 
 def unit_newest_index(unit: Any, storage: Any, modulus: int) -> int:
-    """A sample unit's newest written row (``SampleUnit._newest_index``; 0.14, nightly)."""
+    """A sample unit's newest written row (``SampleUnit._newest_index``; 0.14, nightly).
+
+    Checked on 0.14.1 and the nightly (0.13.3 has no sample units).
+    """
     return unit._newest_index(storage, modulus)
 
 
@@ -1084,6 +1134,8 @@ def staleness_settings(sampler: Any) -> tuple[Any, Any]:
 
     Its ``_version_key`` and ``_weight_fn`` (``consumer_version`` and ``max_staleness`` are
     public properties).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
     """
     return sampler._version_key, sampler._weight_fn
 
@@ -1093,6 +1145,8 @@ def td_parts(td: TensorDict) -> tuple[dict, torch.Size, Any, Any]:
 
     Its fields as tensordict keeps them (``_tensordict``, ``_batch_size``, ``_device``,
     ``_td_dim_names``): the properties re-parse nothing, but cost a call each.
+
+    Checked with the tensordict of 0.13.3, 0.14.1 and the nightly.
     """
     return td._tensordict, td._batch_size, td._device, td._td_dim_names
 
@@ -1130,6 +1184,7 @@ new_tensordict: Callable[[Any, torch.Size, Any], TensorDict] = (
 What ``TensorDict._new_unsafe(entries, batch_size=..., device=..., nested=False)`` builds,
 its four fields set directly where that gives the same object (checked at import): no device
 parsing and no compile check, a fifth of ``_new_unsafe``'s time.
+Checked with the tensordict of 0.13.3, 0.14.1 and the nightly.
 """
 
 
