@@ -650,7 +650,6 @@ __all__ += [
     "resolve_traj_key",
     "round_robin_cursors",
     "sampler_generator",
-    "storage_is_full",
     "storage_rows",
     "tensor_version",
     "used_traj_key",
@@ -714,15 +713,6 @@ def new_sample_list(sampler: Any, storage: Any, count: int, batch_size: int) -> 
     O(count).
     """
     sampler._get_sample_list(storage, count, batch_size=batch_size)
-
-
-def storage_is_full(storage: Any) -> bool:
-    """``TensorStorage._is_full``: whether every row of the storage was written. O(1).
-
-    Checked on 0.13.3, 0.14.1 and the nightly 2026.10.27 (a property over the storage's
-    length and ``max_size``).
-    """
-    return storage._is_full
 
 
 def attach_shared_storage(storage: Any) -> None:
@@ -905,6 +895,420 @@ def truncation_flags(
 # ---------------------------------------------------------------------- accessors: buffers
 # What fastreplay's buffers, sample units and staleness sampler read of TorchRL's buffers,
 # writers, storages and of tensordict's internals.
+# Checked on TorchRL 0.13.3, 0.14.1 and torchrl-nightly 2026.10.27 (tensordict as each pins it).
+# Optional fields are read from the instances' ``__dict__``: a missing attribute read through
+# ``getattr`` costs an exception, and TorchRL's public properties of the buffer run its delayed
+# initialisation (``_maybe_delay_init``), which these reads must not trigger.
+
+from tensordict import TensorDict  # noqa: E402
+from tensordict.utils import _StringOnlyDict  # noqa: E402
+from torchrl.envs.transforms import Compose  # noqa: E402
+
+TensorDictFields: type = _StringOnlyDict
+"""The mapping a ``TensorDict`` keeps its entries in (tensordict's ``_StringOnlyDict``)."""
+
+
+def buffer_sampler(buffer: Any) -> Any:
+    """The buffer's sampler (``ReplayBuffer._sampler``), ``None`` before it exists. O(1).
+
+    Unlike the ``sampler`` property, never runs a delayed initialisation.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer.__dict__.get("_sampler")
+
+
+def buffer_writer(buffer: Any) -> Any:
+    """The buffer's writer (``ReplayBuffer._writer``), ``None`` before it exists. O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer.__dict__.get("_writer")
+
+
+def replay_lock(buffer: Any) -> Any:
+    """The buffer's thread lock around writes and samples (``ReplayBuffer._replay_lock``). O(1).
+
+    The same ``threading.RLock`` on every version; TorchRL's methods hold it, then the write
+    lock (``_write_lock``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer._replay_lock
+
+
+def collate_fn(buffer: Any) -> Any:
+    """The buffer's collate function (``ReplayBuffer._collate_fn``), ``None`` before it exists.
+
+    TorchRL's default for a tensor storage is ``_collate_id`` (the data as it is). O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer.__dict__.get("_collate_fn")
+
+
+def without_transform(buffer: Any) -> bool:
+    """Whether the buffer applies no transform: none, or the empty ``Compose`` TorchRL builds.
+
+    Reads ``ReplayBuffer._transform`` and the ``Compose``'s submodule registry. O(1).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return _no_transform(buffer.__dict__.get("_transform"))
+
+
+def _no_transform(transform: Any) -> bool:
+    """Whether ``transform`` is ``None`` or an empty ``Compose``."""
+    if transform is None:
+        return True
+    if type(transform) is not Compose:
+        return False
+    modules = transform.__dict__.get("_modules")  # nn.Module's registry of submodules
+    transforms = modules.get("transforms") if modules is not None else None
+    return transforms is not None and len(transforms) == 0
+
+
+def plain_storage(buffer: Any, prefetch: bool) -> Any:
+    """The buffer's storage if TorchRL's parts are in their plain set-up, else ``None``. O(1).
+
+    Plain: initialised, synchronous, ``dim_extend=0`` (as :func:`plain_buffer`), a tensor
+    storage of exactly a TorchRL class
+    (:data:`TENSOR_STORAGES`), initialised, 1-D and not compilable, written by exactly a
+    ``TensorDictRoundRobinWriter`` that is not compilable and tracks no generations (the
+    storage keeps none: ``_slot_generations``); the buffer not shared, not prefetching (unless
+    ``prefetch``), TorchRL's default collate
+    function, no transform (:func:`without_transform`), its sampler not consuming. A field
+    TorchRL did not set declines (a set-up this check does not know). Read here in one pass,
+    not through the accessors above: this runs on every direct ``extend`` and ``sample``.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
+    """
+    state = buffer.__dict__
+    storage = state.get("_storage")
+    writer = state.get("_writer")
+    if (
+        not state.get("_initialized", False)
+        or type(storage) not in TENSOR_STORAGES
+        or type(writer) is not TensorDictRoundRobinWriter
+        or state.get("shared", True)
+        or (state.get("_prefetch", True) and not prefetch)
+        or state.get("_dim_extend") != 0
+        or state.get("_collate_fn") is not _collate_id
+        or not state.get("_sync", True)
+        or not _no_transform(state.get("_transform"))
+        or _consuming(type(state.get("_sampler")))
+    ):
+        return None
+    stored, written = storage.__dict__, writer.__dict__
+    if (
+        not stored.get("initialized", False)
+        or stored.get("ndim") != 1
+        or stored.get("_compilable", True)
+        or written.get("_compilable", True)
+        or written.get("_track_generations", True)
+        or stored.get("_slot_generations") is not None
+    ):
+        return None
+    return storage
+
+
+_CONSUMING: dict[type, bool] = {}
+
+
+def _consuming(cls: type) -> bool:
+    """Whether sampler class ``cls`` is a ``ConsumingSampler`` (cached per class)."""
+    known = _CONSUMING.get(cls)
+    if known is None:
+        known = _CONSUMING[cls] = issubclass(cls, CONSUMING_SAMPLERS)
+    return known
+
+
+def plain_buffer(buffer: Any) -> bool:
+    """Whether the buffer is initialised (``_initialized``), synchronous, ``dim_extend=0``. O(1).
+
+    Then TorchRL's ``ReplayBuffer.update_priority`` calls ``sampler.update_priority(index,
+    priority, storage=storage)`` under its locks once ``torch.as_tensor`` and the transpose it
+    skips for ``dim_extend=0`` are done; :func:`plain_storage` checks the rest of a plain set-up.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    state = buffer.__dict__
+    return (
+        state.get("_initialized", False)
+        and state.get("_sync", True)
+        and state.get("_dim_extend") == 0
+    )
+
+
+def sample_batch_size(buffer: Any, batch_size: int | None) -> int | None:
+    """The batch size TorchRL's ``sample(batch_size)`` draws, or ``None`` where it does more.
+
+    ``None`` where ``ReplayBuffer.sample`` would raise or warn (no batch size anywhere; one
+    that differs from the buffer's before the one-time warning), or waits for another buffer
+    or service first (``_service_shutdown``, ``_sample_dependency``). O(1).
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
+    """
+    state = buffer.__dict__
+    if state.get("_service_shutdown", True) or state.get("_sample_dependency") is not None:
+        return None
+    own = buffer.batch_size  # (a plain property: no delayed initialisation)
+    if batch_size is None:
+        return own
+    if own is not None and batch_size != own and not state.get("_warned_batch_size_conflict"):
+        return None
+    return batch_size
+
+
+def anchored_priority(buffer: Any, data: Any) -> Any:
+    """TorchRL's reduction of ``data``'s priorities onto a sequence unit's anchors, or ``None``.
+
+    ``TensorDictReplayBuffer.update_tensordict_priority``'s own steps
+    (``_get_priority_vector``, then ``_anchor_reduced_priority``): ``(index, priority)``.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
+    """
+    return buffer._anchor_reduced_priority(data, buffer._get_priority_vector(data))
+
+
+def _write_counters(buffer: Any, storage: Any) -> tuple[_Synchronized, ...] | None:
+    """The shared counters a write of the buffer updates, or ``None`` if one is missing. O(1).
+
+    ``(writer cursor, writer write count, storage length, storage last cursor index, storage
+    mutation revision)``: the ``multiprocessing`` values behind TorchRL's properties
+    (``_cursor_value``, ``_write_count_value``, ``_len_value``, ``_last_cursor_index_value``,
+    ``_mutation_revision_value``), made by the write that initialised the storage.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
+    """
+    written, stored = buffer.__dict__["_writer"].__dict__, storage.__dict__
+    counters = (
+        written.get("_cursor_value"),
+        written.get("_write_count_value"),
+        stored.get("_len_value"),
+        stored.get("_last_cursor_index_value"),
+        stored.get("_mutation_revision_value"),
+    )
+    for counter in counters:
+        if type(counter) is not _Synchronized:
+            return None
+    return counters
+
+
+def _add(counter: _Synchronized, n: int) -> None:
+    """``counter.value += n`` under its lock, as TorchRL's properties update it."""
+    lock = counter.get_lock()
+    lock.acquire()
+    try:
+        counter.get_obj().value += n
+    finally:
+        lock.release()
+
+
+def claim_rows(
+    buffer: Any, storage: Any, n: int, capacity: int, device: Any
+) -> torch.Tensor | None:
+    """The rows a write of ``n`` rows goes to, with TorchRL's bookkeeping before the data.
+
+    ``None``, with nothing changed, where a counter below is missing (the write that
+    initialises the storage makes them: it takes TorchRL's path). Otherwise
+    ``TensorDictRoundRobinWriter.extend``'s bookkeeping: the cursor read and moved in one
+    holding of its lock, the write count; the rows, an ``arange`` on ``device`` (the CPU for
+    ``None``) wrapped around ``capacity``; then ``TensorStorage.set``'s: the last cursor
+    (``_last_cursor``), its row and the length. Each counter is updated under its own lock, as
+    TorchRL's properties do (the lock's ``acquire``/``release``: ``with`` goes through two
+    Python methods of ``multiprocessing``). Follow with :func:`rows_written` once the rows
+    are written. O(n).
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
+    """
+    counters = _write_counters(buffer, storage)
+    if counters is None:
+        return None
+    cursor_value, count_value, len_value, last_value, _ = counters
+    lock = cursor_value.get_lock()
+    lock.acquire()
+    try:
+        cell = cursor_value.get_obj()
+        cursor = cell.value
+        stop = cursor + n
+        cell.value = stop % capacity
+    finally:
+        lock.release()
+    index = (
+        torch.arange(cursor, stop) if device is None else torch.arange(cursor, stop, device=device)
+    )
+    if stop > capacity:
+        index.remainder_(capacity)
+    _add(count_value, n)
+    storage._last_cursor = index
+    lock = last_value.get_lock()
+    lock.acquire()
+    try:
+        last_value.get_obj().value = (stop - 1) % capacity
+    finally:
+        lock.release()
+    lock = len_value.get_lock()
+    lock.acquire()
+    try:
+        cell = len_value.get_obj()
+        cell.value = min(cell.value + n, capacity)
+    finally:
+        lock.release()
+    return index
+
+
+def rows_written(buffer: Any, storage: Any, index: torch.Tensor) -> None:
+    """TorchRL's bookkeeping after the rows ``index`` (:func:`claim_rows`) were written.
+
+    ``TensorStorage.set`` counts the write (mutation revision); the writer tells every buffer
+    attached to the storage (``_attached_entities``; their samplers mark the rows); then the
+    buffer tells its sampler (``extend``). O(buffers attached) on top of the samplers.
+
+    Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
+    """
+    _add(storage.__dict__["_mutation_revision_value"], 1)
+    for entity in storage._attached_entities:
+        entity.mark_update(index)
+    buffer.__dict__["_sampler"].extend(index)
+
+
+def storage_full(storage: Any) -> bool:
+    """Whether the storage has written all its rows once (``Storage._is_full``). O(1).
+
+    ``False`` for an object that is no TorchRL storage.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return bool(getattr(storage, "_is_full", False))
+
+
+def storage_last_cursor(storage: Any) -> Any:
+    """The cursor of the storage's last ``set`` as passed (``_last_cursor``), or ``None``.
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return getattr(storage, "_last_cursor", None)
+
+
+def writer_counts(buffer: Any) -> tuple[int, int]:
+    """``(write count, cursor)`` of the buffer's round-robin writer. O(1).
+
+    The writer's ``_write_count`` and ``_cursor`` properties (shared with other processes);
+    0 for what the writer lacks (none before the buffer's delayed initialisation).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    writer = buffer_writer(buffer)
+    count, cursor = getattr(writer, "_write_count", 0), getattr(writer, "_cursor", 0)
+    return int(count or 0), int(cursor or 0)
+
+
+def make_storage(buffer: Any, storage: Any, compilable: bool) -> Any:
+    """The storage TorchRL's buffer constructors make of ``storage`` (``_maybe_make_storage``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer._maybe_make_storage(storage, compilable=compilable)
+
+
+def her_episode_ends(buffer: Any, storage: Any) -> Any:
+    """``HERReplayBuffer``'s episode ends read from the whole storage (``_build_episode_cache``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer._build_episode_cache(storage)
+
+
+def her_cache_key(buffer: Any, storage: Any) -> Any:
+    """``HERReplayBuffer``'s cache key of the storage as it is (``_storage_cache_key``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer._storage_cache_key(storage)
+
+
+def her_terminated_key(buffer: Any) -> Any:
+    """The ``terminated`` key ``HERReplayBuffer`` reads beside ``end_key`` (``_terminated_key``).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return buffer._terminated_key()
+
+
+def unit_check_storage(unit: Any, storage: Any) -> None:
+    """A sample unit's check of the storage it expands in (``SampleUnit._check_storage``).
+
+    Checked on 0.14.1 and the nightly (0.13.3 has no sample units).
+    """
+    unit._check_storage(storage)
+
+
+def unit_newest_index(unit: Any, storage: Any, modulus: int) -> int:
+    """A sample unit's newest written row (``SampleUnit._newest_index``; 0.14, nightly).
+
+    Checked on 0.14.1 and the nightly (0.13.3 has no sample units).
+    """
+    return unit._newest_index(storage, modulus)
+
+
+def staleness_settings(sampler: Any) -> tuple[Any, Any]:
+    """``(version_key, weight function)`` of a ``StalenessAwareSampler``. O(1).
+
+    Its ``_version_key`` and ``_weight_fn`` (``consumer_version`` and ``max_staleness`` are
+    public properties).
+
+    Checked on 0.13.3, 0.14.1 and the nightly.
+    """
+    return sampler._version_key, sampler._weight_fn
+
+
+def td_parts(td: TensorDict) -> tuple[dict, torch.Size, Any, Any]:
+    """``(entries, batch size, device, dimension names)`` of an exact ``TensorDict``. O(1).
+
+    Its fields as tensordict keeps them (``_tensordict``, ``_batch_size``, ``_device``,
+    ``_td_dim_names``): the properties re-parse nothing, but cost a call each.
+
+    Checked with the tensordict of 0.13.3, 0.14.1 and the nightly.
+    """
+    return td._tensordict, td._batch_size, td._device, td._td_dim_names
+
+
+def _new_td_unsafe(entries: Any, batch_size: torch.Size, device: Any) -> TensorDict:
+    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device, nested=False)
+
+
+def _new_td_direct(entries: Any, batch_size: torch.Size, device: Any) -> TensorDict:
+    out = _object_new(TensorDict)
+    out._device = device
+    out._tensordict = entries
+    out._batch_size = batch_size
+    out._td_dim_names = None
+    return out
+
+
+def _direct_matches() -> bool:
+    """Whether :func:`_new_td_direct` gives ``_new_unsafe``'s object (this tensordict)."""
+    size = torch.Size((2,))
+    try:
+        reference = _new_td_unsafe(TensorDictFields(), size, None)
+        direct = _new_td_direct(TensorDictFields(), size, None)
+    except Exception:  # pragma: no cover - another tensordict
+        return False
+    return vars(reference) == vars(direct)
+
+
+_object_new = object.__new__
+new_tensordict: Callable[[Any, torch.Size, Any], TensorDict] = (
+    _new_td_direct if _direct_matches() else _new_td_unsafe
+)
+"""A ``TensorDict`` of ``entries`` (a :data:`TensorDictFields`), without validation. O(1).
+
+What ``TensorDict._new_unsafe(entries, batch_size=..., device=..., nested=False)`` builds,
+its four fields set directly where that gives the same object (checked at import): no device
+parsing and no compile check, a fifth of ``_new_unsafe``'s time.
+Checked with the tensordict of 0.13.3, 0.14.1 and the nightly.
+"""
 
 
 # ---------------------------------------------------------------------- buffer bookkeeping
@@ -986,8 +1390,9 @@ class Bookkeeping:
             """After a sample: one more call, and the records it returned (``stats()``)."""
             calls, items = SAMPLE_COUNTERS
             count = sampled_items(index, buffer._storage)
-            buffer._increment_counter(calls, 1)
-            buffer._increment_counter(items, count)
+            increment = buffer._increment_counter
+            increment(calls, 1)
+            increment(items, count)
 
     else:
 
@@ -1105,8 +1510,8 @@ else:
             done = done.squeeze(-1)
         return ReplayBoundaryIndex(
             end=done,
-            at_capacity=storage._is_full,
-            cursor=getattr(storage, "_last_cursor_index", None),
+            at_capacity=storage_full(storage),
+            cursor=last_cursor_row(storage),  # its ``_last_cursor_index``
             device=device,
             storage=storage,
             source=("end", done_key),

@@ -47,7 +47,10 @@ from fastreplay._torchrl import (
     TorchRLSubgoalTriplet,
     is_torchrl_function,
     last_cursor_row,
+    storage_full,
     torchrl_episode_boundaries,
+    unit_check_storage,
+    unit_newest_index,
 )
 from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerError
 from fastreplay.samplers._index_sync import DoneFlags, IndexSync
@@ -190,7 +193,7 @@ class IndexedBoundaries:
         if shape is None or not len(shape) or not shape[0]:
             return None  # empty or uninitialized: TorchRL's error
         length, lanes = int(shape[0]), tuple(int(s) for s in shape[1 : storage.ndim])
-        full = bool(storage._is_full)
+        full = storage_full(storage)
         cursor = last_cursor_row(storage)
         if full and not isinstance(cursor, int):
             return None  # TorchRL then ends each column at its last row: not a write order
@@ -322,7 +325,7 @@ if TorchRLSequence is not None:
         ``validity_mask``), with the window arithmetic on NumPy arrays. ``O(batch x window)``
         plus the boundary query.
         """
-        unit._check_storage(storage)
+        unit_check_storage(unit, storage)
         if not (
             type(index) is torch.Tensor
             and index.ndim == 1
@@ -355,8 +358,8 @@ if TorchRLSequence is not None:
             modulus = int(boundary.length)
         else:  # "include_reset": only the write seam and unwritten rows bound a window
             modulus = int(storage.shape[0])
-            newest = unit._newest_index(storage, modulus)
-            oldest = (newest + 1) % modulus if storage._is_full else 0
+            newest = unit_newest_index(unit, storage, modulus)
+            oldest = (newest + 1) % modulus if storage_full(storage) else 0
             ahead = np.remainder(newest - host, modulus)
             back = np.remainder(host - oldest, modulus)
         rows, valid = windows(

@@ -30,8 +30,13 @@ from fastreplay._signature import ConstructorSignature
 from fastreplay._torchrl import (
     TensorStorage,
     TorchRLHERReplayBuffer,
+    her_cache_key,
     her_cursor,
+    her_episode_ends,
+    her_terminated_key,
     mutation_revision,
+    storage_full,
+    storage_last_cursor,
     storage_len,
 )
 from fastreplay.buffers.paths import PathChoice
@@ -183,11 +188,11 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         her = state.get("_her")
         if her is not None and len(self._storage):
             try:
-                ends = self._build_episode_cache(self._storage)
+                ends = her_episode_ends(self, self._storage)
             except (KeyError, RuntimeError, NotImplementedError):  # TorchRL's sample would raise
                 return state
             her["episode_ends_cache"] = ends
-            her["last_cache_key"] = self._storage_cache_key(self._storage)
+            her["last_cache_key"] = her_cache_key(self, self._storage)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -216,7 +221,7 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         if data is None or not is_tensor_collection(data):
             return None
         keys = []
-        for key in dict.fromkeys((self.end_key, self._terminated_key())):
+        for key in dict.fromkeys((self.end_key, her_terminated_key(self))):
             leaf = data.get(key, None)
             if leaf is None:
                 continue
@@ -242,14 +247,14 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
             return self._fr_scanned_ends(storage)
         index = self._fr_her.sync(storage, DoneFlags(end_keys=keys))
         n = storage_len(storage)
-        if storage._is_full:
-            cursor = her_cursor(getattr(storage, "_last_cursor", None))
+        if storage_full(storage):
+            cursor = her_cursor(storage_last_cursor(storage))
             newest = None if cursor is None else cursor % n
         else:
             newest = n - 1
         if index.size != n or newest != index.cursor:
             return self._fr_scanned_ends(storage)
-        self._last_cache_key = self._storage_cache_key(storage)  # TorchRL's record, O(1)
+        self._last_cache_key = her_cache_key(self, storage)  # TorchRL's record, O(1)
         return _IndexedEpisodes(index)
 
     def _fr_scanned_ends(self, storage: Any) -> torch.Tensor:
@@ -263,14 +268,14 @@ class HERReplayBuffer(PathChoice, PinnedSamples, SharedBufferChecks, TorchRLHERR
         """
         key = (
             len(storage),
-            her_cursor(getattr(storage, "_last_cursor", None)),
-            bool(getattr(storage, "_is_full", False)),
+            her_cursor(storage_last_cursor(storage)),
+            storage_full(storage),
             mutation_revision(storage, -1),
             self._fr_writes,
         )
         cached = self.__dict__.get("_fr_scanned")
         if cached is None or cached[0] != key:
-            cached = self._fr_scanned = (key, self._build_episode_cache(storage))
+            cached = self._fr_scanned = (key, her_episode_ends(self, storage))
         return cached[1]
 
     def _get_episode_range(

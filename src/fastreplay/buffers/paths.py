@@ -46,30 +46,35 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from multiprocessing.sharedctypes import Synchronized as _Synchronized  # TorchRL's counters
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.envs.transforms import Compose
 
 from fastreplay import sample_units as _units
 from fastreplay._torchrl import (
-    CONSUMING_SAMPLERS,
     HAS_SAMPLE_UNITS,
     INT_CLASSES,
     SAMPLE_KEYWORDS,
     STORAGE_HAS_REVISION,
-    TENSOR_STORAGES,
     Bookkeeping,
-    TensorDictRoundRobinWriter,
     TensorStorage,
     TorchRLPrioritizedSampler,
     TorchRLSequence,
     TorchRLSubgoalTriplet,
     TorchRLTransition,
-    _collate_id,
     _storage_index,
+    anchored_priority,
+    buffer_sampler,
+    claim_rows,
+    collate_fn,
+    plain_buffer,
+    plain_storage,
+    replay_lock,
+    rows_written,
+    sample_batch_size,
+    storage_len,
+    without_transform,
 )
 from fastreplay.buffers import huge_pages
 from fastreplay.buffers import rows as _rows
@@ -79,35 +84,6 @@ __all__ = ["PathChoice"]
 
 
 _ROW_DTYPES = (torch.long, torch.int32)  # what index_select takes (and TorchRL's indexing)
-_GENERATIONS = "_slot_generations"  # where TorchRL's writers keep per-row generations
-_CONSUMING: dict[type, bool] = {}
-
-
-def _consuming(cls: type) -> bool:
-    """Whether sampler class ``cls`` is a ``ConsumingSampler`` (cached per class)."""
-    known = _CONSUMING.get(cls)
-    if known is None:
-        known = _CONSUMING[cls] = issubclass(cls, CONSUMING_SAMPLERS)
-    return known
-
-
-def _empty_compose(transform: Any) -> bool:
-    """Whether ``transform`` is an empty ``Compose`` (what TorchRL builds by default)."""
-    if type(transform) is not Compose:
-        return False
-    modules = transform.__dict__.get("_modules")  # nn.Module's registry of submodules
-    transforms = modules.get("transforms") if modules is not None else None
-    return transforms is not None and len(transforms) == 0
-
-
-def _add(counter: _Synchronized, n: int) -> None:
-    """``counter.value += n`` under its lock, as TorchRL's properties update it."""
-    lock = counter.get_lock()
-    lock.acquire()
-    try:
-        counter.get_obj().value += n
-    finally:
-        lock.release()
 
 
 def _run_length(sampler: Any, batch_size: int) -> int | None:
@@ -148,7 +124,7 @@ def written_in_part(buffer: Any) -> None:
     the sampler's rebuild costs one ``O(items stored)`` read of the boundary keys. The storage's
     write count is left as TorchRL leaves it.
     """
-    invalidate = getattr(buffer.__dict__.get("_sampler"), "invalidate_boundaries", None)
+    invalidate = getattr(buffer_sampler(buffer), "invalidate_boundaries", None)
     if invalidate is not None:
         invalidate()
     storage = buffer.__dict__.get("_storage")
@@ -194,47 +170,22 @@ class PathChoice:
         ``staged``: the set-up of a sample gathered into pinned memory inside ``_sample``
         (:meth:`PinnedSamples._sample`): pinning, ``device`` and ``prefetch`` are allowed.
 
-        O(1): about twenty attribute checks, decided afresh on every call (the conformance
+        O(1): about twenty attribute checks (TorchRL's parts:
+        :func:`~fastreplay._torchrl.plain_storage`), decided afresh on every call (the conformance
         tests switch set-ups between calls). Optional attributes are read from the instance
         dictionaries (a missing attribute through ``getattr`` costs an exception).
         """
         state = self.__dict__
-        if not (STORAGE_HAS_REVISION and self._fr_fast and state.get("_initialized", False)):
+        if not (STORAGE_HAS_REVISION and self._fr_fast):
             return None
-        # ``.get`` with a default that declines: an attribute TorchRL did not set means a
-        # set-up this path does not know.
-        storage = state.get("_storage")
-        writer = state.get("_writer")
-        transform = state.get("_transform")
+        unit = state.get("_fr_sample_unit")
         if (
-            type(storage) not in TENSOR_STORAGES
-            or type(writer) is not TensorDictRoundRobinWriter
-            or state.get("shared", True)
-            or (state.get("_prefetch", True) and not staged)
-            or state.get("_dim_extend") != 0
-            or (
-                state.get("_fr_sample_unit") is not None
-                and type(state["_fr_sample_unit"]) not in _DIRECT_UNITS
-            )
-            or state.get("_collate_fn") is not _collate_id
-            or not state.get("_sync", True)
+            (unit is not None and type(unit) not in _DIRECT_UNITS)
             or (not staged and state.get("_fr_pinning", False))
             or (not staged and state.get("_fr_device") is not None)
-            or not (transform is None or _empty_compose(transform))
-            or _consuming(type(state.get("_sampler")))
         ):
             return None
-        stored, written = storage.__dict__, writer.__dict__
-        if (
-            not stored.get("initialized", False)
-            or stored.get("ndim") != 1
-            or stored.get("_compilable", True)
-            or written.get("_compilable", True)
-            or written.get("_track_generations", True)
-            or stored.get(_GENERATIONS) is not None
-        ):
-            return None
-        return storage
+        return plain_storage(self, staged)
 
     # ------------------------------------------------------------------ writes
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -250,23 +201,25 @@ class PathChoice:
 
         TorchRL writes the rows, then raises ``RuntimeError`` from the priority update; here
         the same error comes first and the buffer is left as it was. Only where the priority
-        update reads ``data``'s own entry (no transform in between). O(rows).
+        update reads ``data``'s own entry (no transform in between). O(rows) where ``data``
+        holds priorities; O(1) otherwise (an exact ``TensorDict`` is looked up without key
+        parsing, before anything else is read).
         """
         if update_priority is False:
             return
         key = getattr(self, "priority_key", None)
-        check = getattr(self.__dict__.get("_sampler"), "check_priority", None)
-        transform = self.__dict__.get("_transform")
-        if (
-            key is None
-            or key == "index"
-            or check is None
-            or not (transform is None or _empty_compose(transform))
-            or not isinstance(data, TensorDictBase)
-        ):
+        if key is None or key == "index":
             return
-        vector = data.get(key, None)
+        if type(data) is TensorDict:
+            vector = _rows.entry(data, key)
+        elif isinstance(data, TensorDictBase):
+            vector = data.get(key, None)
+        else:
+            return
         if vector is None:
+            return
+        check = getattr(buffer_sampler(self), "check_priority", None)
+        if check is None or not without_transform(self):
             return
         try:
             check(vector)
@@ -330,7 +283,7 @@ class PathChoice:
             or type(self.__dict__.get("_write_lock")) is not contextlib.nullcontext
         ):
             return None  # (a shared buffer's write lock is not re-entrant: decide unlocked)
-        with self._replay_lock:  # held while deciding, as while writing
+        with replay_lock(self):  # held while deciding, as while writing
             index = self._fr_write(data)
         if index is None:
             return None
@@ -356,11 +309,10 @@ class PathChoice:
         storage = self._fr_plain()
         if storage is None:
             return None
-        store = storage._storage
-        pairs = _rows.write_pairs(store, data, skip="index")
-        if pairs is None:
+        plan = _rows.write_plan(storage._storage, data, skip="index")
+        if plan is None:
             return None
-        n, index_leaf, device, store_rows = _rows.write_fields(store, data)
+        pairs, n, index_leaf, device, store_rows = plan
         capacity = storage.max_size
         if (
             not 0 < n <= capacity
@@ -377,66 +329,15 @@ class PathChoice:
             device = None
         elif index_leaf.device != device:
             return None
-        # The shared counters TorchRL's properties wrap (created by the first write, which
-        # initialised the storage through the general path).
-        written, stored = self._writer.__dict__, storage.__dict__
-        cursor_value = written.get("_cursor_value")
-        count_value = written.get("_write_count_value")
-        len_value = stored.get("_len_value")
-        last_value = stored.get("_last_cursor_index_value")
-        revision = stored.get("_mutation_revision_value")
-        if (
-            type(cursor_value) is not _Synchronized
-            or type(count_value) is not _Synchronized
-            or type(len_value) is not _Synchronized
-            or type(last_value) is not _Synchronized
-            or type(revision) is not _Synchronized
-        ):
+        # The writer's bookkeeping, then the storage's, in TorchRL's order (``None``: the
+        # shared counters they update are not made yet); the rows; the mutation revision, the
+        # buffers attached to the storage (their samplers mark the rows), the buffer's sampler.
+        index = claim_rows(self, storage, n, capacity, device)
+        if index is None:
             return None
-        # Each counter is updated under its own lock, as TorchRL's properties do (the cursor
-        # read and written in one holding). ``acquire`` / ``release`` of the lock itself:
-        # ``with`` goes through two Python-level methods of ``multiprocessing``'s lock.
-        lock = cursor_value.get_lock()
-        lock.acquire()
-        try:
-            cell = cursor_value.get_obj()
-            cursor = cell.value
-            stop = cursor + n
-            # The writer's bookkeeping, in its order: cursor and count first.
-            cell.value = stop % capacity
-        finally:
-            lock.release()
-        index = (
-            torch.arange(cursor, stop)
-            if device is None
-            else torch.arange(cursor, stop, device=device)
-        )
-        if stop > capacity:
-            index.remainder_(capacity)
-        _add(count_value, n)
-        # TensorStorage.set: last cursor, length, rows, mutation revision.
-        storage._last_cursor = index
-        lock = last_value.get_lock()
-        lock.acquire()
-        try:
-            last_value.get_obj().value = (stop - 1) % capacity
-        finally:
-            lock.release()
-        lock = len_value.get_lock()
-        lock.acquire()
-        try:
-            cell = len_value.get_obj()
-            cell.value = min(cell.value + n, capacity)
-        finally:
-            lock.release()
         pairs.append((index_leaf, index))
         _rows.write_rows(pairs, index)
-        _add(revision, 1)
-        # The writer tells every buffer attached to the storage (its sampler marks the
-        # rows), then the buffer tells its sampler.
-        for entity in storage._attached_entities:
-            entity.mark_update(index)
-        self._sampler.extend(index)
+        rows_written(self, storage, index)
         return index
 
     # ------------------------------------------------------------------ priorities
@@ -446,23 +347,21 @@ class PathChoice:
         TorchRL's ``ReplayBuffer.update_priority`` with ``priority`` already a tensor and a
         1-D storage: ``torch.as_tensor`` and the ``dim_extend`` transpose are no-ops there.
         """
-        state = self.__dict__
         if (
             type(priority) is torch.Tensor
             and type(index) is torch.Tensor
             and self._fr_fast
-            and state.get("_initialized", False)
-            and state.get("_sync", True)
-            and state.get("_dim_extend") == 0
+            and plain_buffer(self)
         ):
-            with self._replay_lock:
+            with replay_lock(self):
                 # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
                 write_lock = self._write_lock
+                sampler = buffer_sampler(self)
                 if type(write_lock) is contextlib.nullcontext:  # (its enter/exit: Python calls)
-                    self._sampler.update_priority(index, priority, storage=self._storage)
+                    sampler.update_priority(index, priority, storage=self._storage)
                 else:
                     with write_lock:
-                        self._sampler.update_priority(index, priority, storage=self._storage)
+                        sampler.update_priority(index, priority, storage=self._storage)
             return
         super().update_priority(index, priority)  # type: ignore[misc]
 
@@ -480,7 +379,7 @@ class PathChoice:
         state = self.__dict__
         if (
             self._fr_fast
-            and isinstance(state.get("_sampler"), TorchRLPrioritizedSampler)
+            and isinstance(buffer_sampler(self), TorchRLPrioritizedSampler)
             and state.get("_initialized", False)
         ):
             storage = state.get("_storage")
@@ -496,7 +395,7 @@ class PathChoice:
                 and data.ndim
             ):
                 # TorchRL's ``update_tensordict_priority``, its sampler check passed
-                anchored = self._anchor_reduced_priority(data, self._get_priority_vector(data))
+                anchored = anchored_priority(self, data)
                 if anchored is not None:
                     return self.update_priority(*anchored)
         return super().update_tensordict_priority(data)  # type: ignore[misc]
@@ -548,29 +447,17 @@ class PathChoice:
             (otherwise the caller writes it, as TorchRL's ``sample`` does).
         """
         storage = self._fr_plain()
-        if (
-            storage is None
-            or self._service_shutdown
-            or self._sample_dependency is not None
-            or Bookkeeping.warns_from_caller(self._sampler)
-        ):
+        if storage is None or Bookkeeping.warns_from_caller(buffer_sampler(self)):
             return None
+        batch_size = sample_batch_size(self, batch_size)
         if batch_size is None:
-            batch_size = self._batch_size
-            if batch_size is None:
-                return None  # TorchRL's error
-        elif (
-            self._batch_size is not None
-            and batch_size != self._batch_size
-            and not self._warned_batch_size_conflict
-        ):
-            return None  # TorchRL's warning
+            return None  # TorchRL's error or warning, or a wait for another buffer
         if waiting:
             Bookkeeping.wait(self, batch_size, **waiting)
             storage = self._fr_plain()  # (the wait let other threads run)
             if storage is None:
                 return None
-        with self._replay_lock:
+        with replay_lock(self):
             # read under ``_replay_lock``, as ``with a, b`` reads ``b`` once ``a`` is held
             write_lock = self._write_lock
             if type(write_lock) is contextlib.nullcontext:  # (its enter/exit: Python calls)
@@ -586,7 +473,7 @@ class PathChoice:
         ``alloc``: where the gathered leaves go (:func:`~fastreplay.buffers.rows.gather_rows`);
         the metadata is then left to the caller (``written`` is false).
         """
-        sampler = self._sampler
+        sampler = buffer_sampler(self)
         plan = _rows.gather_plan(storage._storage)
         if plan is None:
             return None
@@ -603,7 +490,7 @@ class PathChoice:
         # A 1-D storage is read with a row tensor, or a tuple holding one (slice samplers),
         # on the storage's device (the CPU when the storage TensorDict has none).
         rows = index[0] if type(index) is tuple and len(index) == 1 else index
-        length = storage.__dict__.get("_len_value")
+        length = storage_len(storage)
         device = plan[1]
         if (
             device is not None
@@ -620,7 +507,6 @@ class PathChoice:
             and rows.dtype in _ROW_DTYPES
             and rows.ndim == 1
             and (rows.is_cpu if device is None else _rows.on_device(rows, device))
-            and length is not None
         ):
             data = self._fr_general_get(storage, index)
             return Bookkeeping.named(sampler, data), info, False
@@ -629,12 +515,12 @@ class PathChoice:
             extra = None
         elif type(index) is tuple:  # as TensorDictReplayBuffer.sample writes it: stacked
             extra = {**info, "index": torch.stack(index, -1)}
-        data, written = _rows.gather_rows(plan, rows, length.value, extra, run, alloc)
+        data, written = _rows.gather_rows(plan, rows, length, extra, run, alloc)
         return Bookkeeping.named(sampler, data), info, written and alloc is None
 
     def _fr_general_get(self, storage: TensorStorage, index: Any) -> Any:
         """TorchRL's read, for a sampler result the direct gather does not cover."""
         data = storage.get(_storage_index(index, storage))
         if not isinstance(index, INT_CLASSES):
-            data = self._collate_fn(data)
+            data = collate_fn(self)(data)
         return data

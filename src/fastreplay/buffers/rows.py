@@ -1,6 +1,8 @@
 """Row writes into, and row gathers from, the leaf tensors of a TensorDict storage.
 
-Pure core, no TorchRL imports. A replay buffer's ``TensorStorage`` keeps its rows in one
+No TorchRL classes: tensordict's fields are read and TensorDicts built through the compat
+module (:func:`fastreplay._torchrl.td_parts`, :data:`fastreplay._torchrl.new_tensordict`). A
+replay buffer's ``TensorStorage`` keeps its rows in one
 ``TensorDict`` whose leaves have the storage capacity as first dimension. TorchRL writes and
 reads it through ``TensorDict.__setitem__`` / ``__getitem__`` with an index tensor, which
 re-validates keys, shapes and batch sizes on every call. When the incoming rows have exactly
@@ -36,7 +38,8 @@ from typing import Any
 
 import torch
 from tensordict import MemoryMappedTensor, TensorDict
-from tensordict.utils import _StringOnlyDict
+
+from fastreplay._torchrl import TensorDictFields, new_tensordict, td_parts
 
 __all__ = [
     "entry",
@@ -44,8 +47,8 @@ __all__ = [
     "gather_rows",
     "on_device",
     "priority_rows",
-    "write_fields",
     "write_pairs",
+    "write_plan",
     "write_rows",
 ]
 
@@ -80,15 +83,41 @@ def write_pairs(
         rows: The incoming rows (first dimension: number of rows).
         skip: A top-level key of ``store`` that ``rows`` must not hold (written separately).
     """
+    plan = write_plan(store, rows, skip=skip)
+    return None if plan is None else plan[0]
+
+
+def write_plan(
+    store: TensorDict, rows: TensorDict, *, skip: str | None = None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, Any, Any, int] | None:
+    """:func:`write_pairs`, with what a write needs besides, or ``None`` (not a plain match).
+
+    Returns:
+        ``(pairs, rows in rows, the stored leaf at skip (None without skip), rows's device,
+        rows in store)``. O(number of leaves).
+    """
     if type(rows) is not TensorDict or type(store) is not TensorDict:
         return None
+    stored, stored_size, _, _ = td_parts(store)
+    incoming, incoming_size, device, _ = td_parts(rows)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    return pairs if _pair_level(store, rows, skip, pairs) else None
+    if not _pair_level(stored, stored_size, incoming, incoming_size, skip, pairs):
+        return None
+    n = incoming_size[0] if incoming_size else 0
+    skipped = None if skip is None else stored[skip]
+    return pairs, n, skipped, device, stored_size[0]
 
 
-def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: list) -> bool:
-    stored, incoming = store._tensordict, rows._tensordict
-    if not _same_rest(rows._batch_size, store._batch_size):
+def _pair_level(
+    stored: dict,
+    stored_size: torch.Size,
+    incoming: dict,
+    incoming_size: torch.Size,
+    skip: str | None,
+    pairs: list,
+) -> bool:
+    """One level of :func:`write_plan`: the entries and batch sizes of both TensorDicts."""
+    if not _same_rest(incoming_size, stored_size):
         return False
     if skip is not None:
         if skip in incoming or skip not in stored:
@@ -104,7 +133,11 @@ def _pair_level(store: TensorDict, rows: TensorDict, skip: str | None, pairs: li
         if value is None:
             return False
         if type(leaf) is TensorDict:
-            if type(value) is not TensorDict or not _pair_level(leaf, value, None, pairs):
+            if type(value) is not TensorDict:
+                return False
+            nested, nested_size, _, _ = td_parts(leaf)
+            given, given_size, _, _ = td_parts(value)
+            if not _pair_level(nested, nested_size, given, given_size, None, pairs):
                 return False
             continue
         if (
@@ -154,13 +187,15 @@ def gather_plan(store: TensorDict) -> Plan | None:
     plain tensor, on the CPU, or on the level's device (an accelerator storage's TensorDict
     carries its device). O(number of leaves).
     """
-    if type(store) is not TensorDict or store._td_dim_names is not None:
+    if type(store) is not TensorDict:
+        return None
+    fields, size, device, names = td_parts(store)
+    if names is not None:
         return None
     entries: list[tuple[str, Any]] = []
     flat = True
-    device = store._device
     on_host = device is None or device.type == "cpu"
-    for key, leaf in store._tensordict.items():
+    for key, leaf in fields.items():
         if type(leaf) is TensorDict:
             nested = gather_plan(leaf)
             if nested is None:
@@ -171,7 +206,6 @@ def gather_plan(store: TensorDict) -> Plan | None:
             entries.append((key, leaf))
         else:
             return None
-    size = store._batch_size
     rest = _NO_REST if len(size) == 1 else size[1:]  # (a torch.Size slice is slow)
     return rest, device, entries, flat and not rest
 
@@ -267,7 +301,7 @@ def _gather_flat(
                 return None
     else:
         extra = {}
-    out = _StringOnlyDict()
+    out = TensorDictFields()
     for key, leaf in plan[2]:
         value = extra.get(key)
         if value is not None:  # a stored entry of that name keeps its place, not read
@@ -278,7 +312,7 @@ def _gather_flat(
     for key, value in extra.items():
         if key not in out:
             out[key] = value
-    return _new_td(out, head, plan[1])
+    return new_tensordict(out, head, plan[1])
 
 
 def _place(plan: Plan, head: torch.Size, extra: dict, put: dict) -> bool:
@@ -360,7 +394,7 @@ def _gather_level(
     alloc: Alloc | None = None,
 ) -> TensorDict:
     rest, device, entries = plan[0], plan[1], plan[2]
-    out = _StringOnlyDict()
+    out = TensorDictFields()
     for key, leaf in entries:
         value = put.get(key)
         if value is not None and type(value) is not dict:
@@ -383,59 +417,15 @@ def _gather_level(
     for key, value in put.items():
         if key not in out:
             out[key] = value
-    return _new_td(out, head + rest if rest else head, device)
-
-
-def _new_td_unsafe(entries: _StringOnlyDict, batch_size: torch.Size, device: Any) -> TensorDict:
-    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device, nested=False)
-
-
-def _new_td_direct(entries: _StringOnlyDict, batch_size: torch.Size, device: Any) -> TensorDict:
-    """What ``TensorDict._new_unsafe`` builds, its four fields set directly.
-
-    No device parsing and no compile check: a fifth of ``_new_unsafe``'s time per sample.
-    """
-    out = _object_new(TensorDict)
-    out._device = device
-    out._tensordict = entries
-    out._batch_size = batch_size
-    out._td_dim_names = None
-    return out
-
-
-def _direct_matches() -> bool:
-    """Whether :func:`_new_td_direct` gives ``_new_unsafe``'s object (this tensordict)."""
-    size = torch.Size((2,))
-    try:
-        reference = _new_td_unsafe(_StringOnlyDict(), size, None)
-        direct = _new_td_direct(_StringOnlyDict(), size, None)
-    except Exception:  # pragma: no cover - another tensordict
-        return False
-    return vars(reference) == vars(direct)
-
-
-_object_new = object.__new__
-_new_td = _new_td_direct if _direct_matches() else _new_td_unsafe
+    return new_tensordict(out, head + rest if rest else head, device)
 
 
 # ---------------------------------------------------------------------- reads of a TensorDict
 def entry(data: Any, key: Any) -> Any:
     """``data.get(key)`` (``None`` if absent); a top-level ``str`` key without key parsing."""
     if type(data) is TensorDict and type(key) is str:
-        return data._tensordict.get(key)
+        return td_parts(data)[0].get(key)
     return data.get(key, None)
-
-
-def write_fields(
-    store: TensorDict, data: TensorDict
-) -> tuple[int, torch.Tensor, torch.device | None, int]:
-    """``(rows in data, store's "index" leaf, data's device, store's rows)`` for a write.
-
-    Both are exact ``TensorDict``s (``write_pairs`` checked): their fields are read directly
-    (the properties re-parse nothing, but cost a call each). O(1).
-    """
-    n = data._batch_size[0] if data._batch_size else 0
-    return n, store._tensordict["index"], data._device, store._batch_size[0]
 
 
 def priority_rows(data: Any, key: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -448,10 +438,9 @@ def priority_rows(data: Any, key: Any) -> tuple[torch.Tensor, torch.Tensor] | No
     """
     if type(data) is not TensorDict or type(key) is not str:
         return None
-    shape = data._batch_size
+    fields, shape, _, _ = td_parts(data)
     if len(shape) != 1:
         return None
-    fields = data._tensordict
     priority, index = fields.get(key), fields.get("index")
     if (
         type(priority) is not torch.Tensor

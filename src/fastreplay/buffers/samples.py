@@ -27,6 +27,7 @@ from tensordict import is_tensor_collection, is_tensorclass
 from tensordict.utils import expand_as_right
 
 from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
+from fastreplay._torchrl import replay_lock
 from fastreplay.buffers import pinning
 
 __all__ = ["PinnedSamples", "write_info"]
@@ -189,7 +190,7 @@ class PinnedSamples:
         storage = plain(staged=True)
         if storage is None:
             return None
-        with self._replay_lock, self._write_lock:  # type: ignore[attr-defined]
+        with replay_lock(self), self._write_lock:  # type: ignore[attr-defined]
             result = self._fr_locked_sample(  # type: ignore[attr-defined]
                 storage, batch_size, pinning.pinned_empty
             )

@@ -38,7 +38,11 @@ from fastreplay._torchrl import (
     Sampler,
     TensorDictRoundRobinWriter,
     TensorStorage,
+    buffer_sampler,
+    buffer_writer,
     is_consuming,
+    replay_lock,
+    writer_counts,
 )
 from fastreplay._torchrl import TorchRLPrioritizedSampler as _TorchRLPrioritizedSampler
 from fastreplay.samplers._index_sync import remote_writes
@@ -69,7 +73,7 @@ def check_shareable(buffer: Any) -> None:
             "storage=LazyMemmapStorage(max_size, shared_init=True) (or "
             "LazyTensorStorage(max_size, shared_init=True))."
         )
-    sampler = buffer._sampler
+    sampler = buffer_sampler(buffer)
     if isinstance(sampler, _TorchRLPrioritizedSampler):
         fix = (
             "pass sync=False: writer processes then write through a RandomSampler and this "
@@ -132,8 +136,8 @@ class SharedBufferChecks:
         if shared and self._fr_writes is None:
             self._fr_writes = multiprocessing.Value("q", 0)
             self._fr_gate = _SampleFirst()
-            writer = getattr(self, "_writer", None)  # earlier writes were reported locally
-            self._fr_seen = (int(getattr(writer, "_write_count", 0) or 0), 0)
+            # earlier writes were reported locally
+            self._fr_seen = (writer_counts(self)[0], 0)
         if shared and self._fr_owner is None:
             self._fr_owner = os.getpid()
         if shared and initialized:
@@ -215,7 +219,7 @@ class SharedBufferChecks:
 
     # ------------------------------------------------------------ remote writes, reported
     def _fr_tracks(self) -> bool:
-        writer, storage = getattr(self, "_writer", None), getattr(self, "_storage", None)
+        writer, storage = buffer_writer(self), getattr(self, "_storage", None)
         return (
             self._fr_writes is not None
             and getattr(self, "shared", False)
@@ -225,12 +229,12 @@ class SharedBufferChecks:
             and not is_consuming(self)
             # Samplers whose extend does nothing (RandomSampler, the writers' side of
             # sync=False) need no reports: keep TorchRL's locking exactly.
-            and type(self._sampler).extend is not Sampler.extend
+            and type(buffer_sampler(self)).extend is not Sampler.extend
         )
 
     def _fr_catch_up(self) -> None:
         """Report writes made elsewhere since this process last looked. Call under the lock."""
-        write_count, writes = int(self._writer._write_count), int(self._fr_writes.value)
+        (write_count, cursor), writes = writer_counts(self), int(self._fr_writes.value)
         seen_count, seen_writes = self._fr_seen
         items, calls = write_count - seen_count, writes - seen_writes
         self._fr_seen = (write_count, writes)
@@ -240,11 +244,12 @@ class SharedBufferChecks:
             # Emptied elsewhere, or written by something this class does not count: report
             # nothing; the sampler sees the storage revision move and rebuilds.
             return
-        rows, cursor = int(self._storage.max_size), int(self._writer._cursor)
+        rows = int(self._storage.max_size)
         index = torch.arange(cursor - min(items, rows), cursor) % rows
+        sampler = buffer_sampler(self)
         with remote_writes():  # they moved no version counter of this process's tensors
             for part in torch.tensor_split(index, calls):  # one report per write
-                self._sampler.extend(part)
+                sampler.extend(part)
 
     @contextlib.contextmanager
     def _fr_locked(self, sampling: bool = False) -> Iterator[None]:
@@ -257,7 +262,7 @@ class SharedBufferChecks:
         the stand-in behind for good. Under ``_replay_lock`` a thread sees the stand-in only
         inside its own section, which does hold the lock.
         """
-        with self._replay_lock:  # type: ignore[attr-defined]
+        with replay_lock(self):
             lock = self._write_lock
             with _turn(lock, self._fr_gate, sampling):
                 if self._fr_tracks():
@@ -272,7 +277,7 @@ class SharedBufferChecks:
         """Count this process's write (under the lock) so other processes can report it."""
         with self._fr_writes.get_lock():
             self._fr_writes.value += 1
-        self._fr_seen = (int(self._writer._write_count), int(self._fr_writes.value))
+        self._fr_seen = (writer_counts(self)[0], int(self._fr_writes.value))
 
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
         """Extend as TorchRL does; when shared, report remote writes first and count this one."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastreplay._signature import ConstructorSignature
-from fastreplay._torchrl import RandomSampler
+from fastreplay._torchrl import RandomSampler, make_storage
 from fastreplay._torchrl import TorchRLBuffer as _TorchRLBuffer
 from fastreplay._torchrl import TorchRLPrioritizedBuffer as _TorchRLPrioritizedBuffer
 from fastreplay.buffers.paths import PathChoice
@@ -164,7 +164,7 @@ class TensorDictPrioritizedReplayBuffer(
         self._fr_init_pinning(pin_memory, device)
         # Mirrors TorchRL's ``TensorDictPrioritizedReplayBuffer.__init__`` (torchrl 0.14.1), whose
         # only difference is that it builds TorchRL's compiled ``PrioritizedSampler``.
-        storage = self._maybe_make_storage(storage, compilable=compilable)
+        storage = make_storage(self, storage, compilable)
         prioritized_sampler = PrioritizedSampler(
             storage.max_size, alpha, beta, eps, reduction=reduction, device=sampler_device
         )

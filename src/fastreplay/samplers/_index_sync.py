@@ -41,7 +41,7 @@ from fastreplay._torchrl import (
     mutation_revision,
     resolve_traj_key,
     round_robin_cursors,
-    storage_is_full,
+    storage_full,
     storage_len,
     storage_rows,
     tensor_version,
@@ -354,7 +354,7 @@ class IndexSync:
 
     def _matches(self, index: TrajectoryIndex, storage: Any) -> bool:
         """Whether the updated index covers the storage's rows and ends at its cursor."""
-        full = bool(storage_is_full(storage))
+        full = bool(storage_full(storage))
         if full != (index.size == index.rows) or index.size != (storage_rows(storage) or 0):
             return False
         cursor = self._last_row(storage) if full else None
@@ -375,7 +375,7 @@ class IndexSync:
         """Index the whole storage, oldest row first: ``O(items stored)``."""
         index.reset()
         first = 0
-        if storage_is_full(storage):
+        if storage_full(storage):
             cursor = self._last_row(storage)
             first = (cursor + 1) % rows if cursor is not None else 0
         self._write_run(index, leaves, first, storage_rows(storage) or 0, rows)

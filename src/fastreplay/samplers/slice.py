@@ -27,7 +27,7 @@ from fastreplay._torchrl import (
     is_batch_time,
     pads_short_slices,
     sampler_generator,
-    storage_is_full,
+    storage_full,
     storage_len,
     storage_rows,
     take,
@@ -68,7 +68,7 @@ class _SignalRows:
         leaf = storage._storage.get(key, None)
         if leaf is None:
             return default
-        if not storage_is_full(storage):  # as TensorStorage.get: the stored rows only
+        if not storage_full(storage):  # as TensorStorage.get: the stored rows only
             leaf = leaf[: storage_rows(storage)]
         return leaf[self.index]
 

@@ -20,7 +20,13 @@ from tensordict import TensorDictBase
 from fastreplay._core.trees.interface import make_trees
 from fastreplay._core.version_buckets import VersionBuckets
 from fastreplay._signature import ConstructorSignature
-from fastreplay._torchrl import Storage, TensorStorage, mutation_revision, storage_len
+from fastreplay._torchrl import (
+    Storage,
+    TensorStorage,
+    mutation_revision,
+    staleness_settings,
+    storage_len,
+)
 from fastreplay._torchrl import TorchRLStalenessAwareSampler as _TorchRLStalenessAwareSampler
 from fastreplay.samplers._index_sync import reporting_remote
 
@@ -105,7 +111,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         self._fr_backend = backend
         # TorchRL's default weight is stateless: its weights are kept until the staleness
         # changes. Any other function is called at every sample, as TorchRL does.
-        self._fr_default_fn = self._weight_fn if staleness_weight_fn is None else None
+        self._fr_default_fn = staleness_settings(self)[1] if staleness_weight_fn is None else None
         self._fr_core: VersionBuckets | None = None
         self._fr_seen: tuple | None = None
         self._fr_token: tuple | None = None
@@ -180,7 +186,7 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         backing = getattr(storage, "_storage", None)
         if not isinstance(backing, TensorDictBase):
             return None
-        leaf = backing.get(self._version_key, None)
+        leaf = backing.get(staleness_settings(self)[0], None)
         if not isinstance(leaf, torch.Tensor) or leaf.ndim < 1:
             return None
         if leaf.shape[0] != storage.max_size or leaf[:1].numel() != 1:
@@ -240,20 +246,21 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         if leaf is None or batch_size <= 0:
             return super().sample(storage, batch_size)
         core = self._sync(storage, leaf, n)
-        consumer = self._consumer_version
+        consumer, max_staleness = self.consumer_version, self.max_staleness
+        weight_fn = staleness_settings(self)[1]
         token = (
             None if isinstance(consumer, torch.Tensor) else (type(consumer), consumer),
-            self._max_staleness,
-            self._weight_fn,
+            max_staleness,
+            weight_fn,
         )
         if (
             token[0] is None
             or token != self._fr_token
             or not core.current
-            or self._weight_fn is not self._fr_default_fn
+            or weight_fn is not self._fr_default_fn
         ):
             self._fr_token = None
-            if not core.refresh(self._weight_fn, consumer, self._max_staleness):
+            if not core.refresh(weight_fn, consumer, max_staleness):
                 return super().sample(storage, batch_size)  # TorchRL's error
             self._fr_token = token
         replacement = batch_size > core.n_valid
@@ -276,11 +283,13 @@ class StalenessAwareSampler(_TorchRLStalenessAwareSampler):
         leaf = self._versions_leaf(storage) if n > 0 else None
         if leaf is None:
             raise ValueError(
-                f"probabilities() reads a 1-D TensorStorage holding {self._version_key!r}, "
+                f"probabilities() reads a 1-D TensorStorage holding "
+                f"{staleness_settings(self)[0]!r}, "
                 f"got {type(storage).__name__} with {n} items; sample() uses TorchRL's code there"
             )
         core = self._sync(storage, leaf, n)
-        if not core.refresh(self._weight_fn, self._consumer_version, self._max_staleness):
+        weight_fn = staleness_settings(self)[1]
+        if not core.refresh(weight_fn, self.consumer_version, self.max_staleness):
             raise ValueError(
                 "no item can be drawn (all excluded, or a weight is 0, NaN, infinite or "
                 "negative everywhere): sample() raises TorchRL's error"
