@@ -87,11 +87,13 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
       O(log capacity) on every write, re-prioritisation or overwrite; ``upper_priority`` caps
       it and ``initial_priority`` is used while nothing prioritised is stored (pytorch/rl
       #2210). With ``max_priority_within_buffer=False`` it is TorchRL's all-time max instead.
-    * The trees need no compiled TorchRL extension. Three backends: numba's compiled loops on
+    * The trees need no compiled TorchRL extension. Four backends: numba's compiled loops on
       the CPU (the default when numba is installed), pure torch (CPU or CUDA, the CPU
       default without numba) and ``"device"``, pure torch in a fixed shallow layout whose
       ``sample`` and ``mark_update`` read nothing back to the host (the default for trees on
-      an accelerator, e.g. a CUDA storage's); ``backend`` picks one. Fed the same calls
+      an accelerator, e.g. a CUDA storage's); and ``"triton"`` (asked for by name), the
+      device layout with its walk and each write one Triton kernel (CUDA, where triton is
+      installed); ``backend`` picks one. Fed the same calls
       on the CPU, both hold bit-for-bit the same priorities and masses and return the same
       weights for the same items; they draw the same indices, except where float64 totals
       summed in another order move a draw across a boundary between two items (within about
@@ -279,10 +281,11 @@ class PrioritizedSampler(_TorchRLPrioritizedSampler):
 
     @property
     def backend(self) -> str:
-        """Tree backend in use: ``"numba"``, ``"torch"`` or ``"device"``.
+        """Tree backend in use: ``"numba"``, ``"torch"``, ``"device"`` or ``"triton"``.
 
         ``"numba"``: compiled loops, CPU; ``"torch"``: any device; ``"device"``: fixed depth,
-        no host reads when sampling or writing, for accelerators. Chosen by the ``backend``
+        no host reads when sampling or writing, for accelerators; ``"triton"``: the device
+        layout with Triton kernels (CUDA, asked for by name). Chosen by the ``backend``
         argument; ``None`` picks numba when it is installed and the trees are on the CPU
         (else torch), and ``"device"`` when the trees live on an accelerator (``device=`` or
         a CUDA storage that moves them).
