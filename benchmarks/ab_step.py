@@ -3,7 +3,9 @@
 A change that moves code (a refactor, a new bookkeeping step) should cost nothing: this times
 the parts of two online steps through fastreplay's ``TensorDictReplayBuffer`` with 1 torch
 thread, for each of two source trees, in fresh processes that alternate (so that both see the
-same machine load), and prints the medians side by side with their ratio::
+same machine load; base first in every other round), and prints the medians over rounds side
+by side with their ratio, then each side's smallest round and theirs (this machine's speed can
+differ between processes: quote both)::
 
     git worktree add /tmp/base <commit>
     python -m benchmarks.ab_step --base /tmp/base/src --head src --rounds 3
@@ -107,14 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.base:
         parser.error("--base is required (the src folder of the checkout to compare with)")
     runs: dict[str, list[dict[str, float]]] = {"base": [], "head": []}
-    for _ in range(args.rounds):
-        for side in ("base", "head"):
+    for round_ in range(args.rounds):
+        # base first in even rounds, head first in odd ones: neither side always goes first
+        for side in ("base", "head") if round_ % 2 == 0 else ("head", "base"):
             runs[side].append(_child(getattr(args, side), args.stored, args.steps))
-    print(f"{'part (us, median of rounds)':34} {'base':>9} {'head':>9} {'head/base':>10}")
+    print(
+        f"{'part (us, over rounds)':34} {'base':>9} {'head':>9} {'head/base':>10}"
+        f" {'base min':>9} {'head min':>9} {'min ratio':>10}"
+    )
     for name in runs["base"][0]:
-        base = sorted(r[name] for r in runs["base"])[len(runs["base"]) // 2]
-        head = sorted(r[name] for r in runs["head"])[len(runs["head"]) // 2]
-        print(f"{name:34} {base:9.1f} {head:9.1f} {head / base:10.2f}")
+        base = sorted(r[name] for r in runs["base"])
+        head = sorted(r[name] for r in runs["head"])
+        b, h = base[len(base) // 2], head[len(head) // 2]
+        print(
+            f"{name:34} {b:9.1f} {h:9.1f} {h / b:10.2f}"
+            f" {base[0]:9.1f} {head[0]:9.1f} {head[0] / base[0]:10.2f}"
+        )
     load = os.getloadavg()[0]
     print(f"load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores")
     return 0
