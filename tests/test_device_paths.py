@@ -254,7 +254,7 @@ def test_device_branch_declines_data_on_another_device():
 # storage's device (TorchRL's stream) and reads the draw back, and the gather checks the
 # runs of rows (torch.equal). On the CPU those reads are counted, not synchronisations.
 
-SLICE_SYNC_BUDGET = 1  # the run check of the gather (torch.equal)
+SLICE_SYNC_BUDGET = 1  # the run check of the gather (torch.equal), on host indices only
 SLICE_HOST_READ_BUDGET = 4  # the two draws (trajectories, start offsets): .cpu().numpy() each
 SLICE_LAUNCH_BUDGET = 16  # two draws, the flags, the run check, one gather per stored leaf
 
@@ -281,6 +281,31 @@ def test_slice_sample_reads_the_host_a_fixed_number_of_times():
         assert host <= SLICE_HOST_READ_BUDGET, reads.calls
         assert sum(ops.launches.values()) <= SLICE_LAUNCH_BUDGET, ops.launches
         counts.append((dict(ops.launches), dict(ops.syncs), dict(reads.calls)))
+    assert counts[0] == counts[1]
+
+
+def test_slice_rows_on_an_accelerator_are_gathered_without_a_sync():
+    """The rows a slice sampler drew, once on the device, are gathered with no host read.
+
+    The run check (``torch.equal``) runs on host indices only; device indices (the host
+    index copied to the storage's device, as the direct path does) go row by row: one
+    ``index_select`` per stored leaf, at any batch size.
+    """
+    from fastreplay.buffers import rows as _rows
+
+    plan = _rows.gather_plan(rows(100, "meta"))
+    assert plan is not None
+    counts = []
+    for slices in (8, 64):
+        host = (torch.arange(slices) * 10).repeat_interleave(4) + torch.arange(4).repeat(slices)
+        assert _rows._run_starts(host, 4, 100) is not None  # host rows come in runs
+        index = host.to("meta")
+        with counted() as (ops, reads):
+            data, _ = _rows.gather_rows(plan, index, 100, run=4)
+        assert dict(ops.syncs) == {} and dict(reads.calls) == {}
+        assert dict(ops.launches) == {"index_select": LEAVES}
+        assert data.batch_size == (4 * slices,) and data["obs"].device.type == "meta"
+        counts.append(dict(ops.launches))
     assert counts[0] == counts[1]
 
 

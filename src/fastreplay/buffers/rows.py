@@ -367,11 +367,12 @@ _RUN_OFFSETS: dict[tuple[int, torch.device], torch.Tensor] = {}
 def _run_starts(index: torch.Tensor, run: int | None, stored: int) -> torch.Tensor | None:
     """First rows of the runs of ``run`` consecutive rows ``index`` is made of, or None.
 
-    The check (``torch.equal``) reads one value of ``index``'s device on the host: on an
-    accelerator, one synchronisation per sample of a slice sampler.
+    The check (``torch.equal``) reads its result on the host, so it runs on host indices
+    only: an ``index`` on an accelerator is gathered row by row (``None``), the same rows with
+    the same number of launches and no synchronisation. O(len(index)).
     """
     n = index.shape[0]
-    if run is None or run < 2 or n % run or n == 0 or stored < run:
+    if run is None or run < 2 or n % run or n == 0 or stored < run or not index.is_cpu:
         return None
     offsets = _RUN_OFFSETS.get((run, index.device))
     if offsets is None:
