@@ -644,6 +644,7 @@ __all__ += [
     "SLICE_ATTRIBUTE_DEFAULTS",
     "adjusted_batch_size",
     "attach_shared_storage",
+    "attached_entities",
     "batch_size_multiplier",
     "finalize_index",
     "new_sample_list",

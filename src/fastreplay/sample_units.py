@@ -47,6 +47,7 @@ import torch
 from fastreplay._core.sequence_windows import windows
 from fastreplay._torchrl import (
     HAS_EPISODE_BOUNDARIES,
+    Storage,
     TorchRLSequence,
     TorchRLSubgoalTriplet,
     attached_entities,
@@ -147,8 +148,8 @@ def _listener(storage: Any, create: bool) -> BoundaryListener | None:
     for entity in attached_entities(storage):
         if type(entity) is BoundaryListener:
             return entity
-    if not create or not hasattr(storage, "attach"):
-        return None
+    if not create or not isinstance(storage, Storage):
+        return None  # no TorchRL storage: nothing calls ``mark_update`` on what it holds
     with _LOCK:
         for entity in attached_entities(storage):
             if type(entity) is BoundaryListener:
