@@ -10,8 +10,11 @@ the reference, in TorchRL's.
 
 from __future__ import annotations
 
+import gc
 import inspect
+import pickle
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -22,6 +25,8 @@ import fastreplay
 from conformance.conftest import BUFFER_SIDES, DONE, TORCHRL_BUFFER, episodes, make_buffer
 from conftest import TORCHRL_EXT
 from fastreplay import _torchrl as compat
+from fastreplay import sample_units
+from fastreplay.sample_units import BoundaryListener
 from fastreplay.samplers._index_sync import IndexSync
 
 _P = inspect.Parameter
@@ -406,19 +411,250 @@ def _same_boundaries(ours: Any, storage: Any) -> bool:
 
 
 @BUFFERS
-def test_writes_the_sampler_is_not_told_about(buffer_side: str) -> None:
-    """Seen on every version: the ids' version counter moved by more than the reported write."""
+@pytest.mark.parametrize("unreported", [False, True], ids=["other-buffer", "storage-set"])
+def test_writes_the_sampler_is_not_told_about(buffer_side: str, unreported: bool) -> None:
+    """Seen on every version: the ids' version counter moved by more than the reported write.
+
+    A write through another buffer on the same storage is reported (its writer calls
+    ``mark_update`` through every buffer attached to the storage), but lands where this
+    buffer's writer did not expect it; ``storage.set`` is reported to nobody.
+    """
     storage = trl.LazyTensorStorage(40)
     sampler = fastreplay.SliceSampler(num_slices=2, traj_key="traj")
     rb = make_buffer(buffer_side, storage=storage, sampler=sampler, batch_size=8)
     rb.extend(episodes(40, 10))  # full: the writer is back at row 0
     rb.sample()
-    other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage
-    other.extend(episodes(10, 1, first_id=500))  # rows 0-9: ten one-step trajectories
+    data = episodes(10, 1, first_id=500)  # rows 0-9: ten one-step trajectories
+    if unreported:
+        storage.set(torch.arange(10), data)
+    else:
+        other = trl.ReplayBuffer(storage=storage, batch_size=8)  # another writer, same storage
+        other.extend(data)
     # A write the sampler is told about, after it (rows 0-4): the ids' version counter moved
-    # by more than that write, so the other write is seen too (and, on 0.14+, by the storage's
-    # write counter).
+    # by more than the writes reported, so the unreported write is seen too (and, on 0.14+,
+    # by the storage's write counter).
     rb.extend(episodes(5, 5, first_id=600))
     assert _same_boundaries(sampler, storage)
     sampler.invalidate_boundaries()
     assert _same_boundaries(sampler, storage)
+
+
+# ------------------------------------------------------- write notifications: mark_update
+# Every write is reported once, through TorchRL's write hook: the writer calls ``mark_update``
+# on every entity attached to the storage (``storage.attach``): the buffers, which tell their
+# samplers, and the sample units' listeners. Whichever buffer writes, every index reading the
+# storage reads the new rows alone.
+NO_UNITS = pytest.mark.skipif(
+    not compat.HAS_SAMPLE_UNITS, reason=f"TorchRL {compat.TORCHRL_VERSION} has no sample units"
+)
+
+
+def _count_rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, one entry per full read of a storage by any index (``IndexSync._rebuild``)."""
+    rebuilds: list[int] = []
+    rebuild = IndexSync._rebuild
+
+    def counting(self: Any, *args: Any) -> None:
+        rebuilds.append(1)
+        rebuild(self, *args)
+
+    monkeypatch.setattr(IndexSync, "_rebuild", counting)
+    return rebuilds
+
+
+def _slice_sampler(module: Any, name: str, capacity: int) -> Any:
+    if name == "PrioritizedSliceSampler":
+        return getattr(module, name)(capacity, 0.7, 0.5, num_slices=2, traj_key="traj")
+    return getattr(module, name)(num_slices=2, traj_key="traj")
+
+
+def _same_samples(ours: Any, reference: Any, seed: int) -> None:
+    """The same sample (or error: a sampler without replacement runs out) for ``seed``."""
+    torch.manual_seed(seed)
+    got = _outcome(ours.sample)
+    torch.manual_seed(seed)
+    want = _outcome(reference.sample)
+    if isinstance(want, Exception):
+        assert (type(got), str(got)) == (type(want), str(want))
+    else:
+        _assert_same(want.to_dict(), got.to_dict())
+
+
+def _listeners(storage: Any) -> list[Any]:
+    return [e for e in compat.attached_entities(storage) if isinstance(e, BoundaryListener)]
+
+
+@BUFFERS
+@pytest.mark.parametrize("name", SLICE_CLASSES)
+def test_writes_through_another_buffer_are_read_incrementally(
+    buffer_side: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buffer A writes, buffer B's slice sampler samples the same storage.
+
+    B is attached to the storage, so A's writer tells it of every write (``mark_update``):
+    B's index reads each write's rows alone, never the whole storage, and B samples what
+    TorchRL's sampler samples there for the same seed.
+    """
+    rebuilds = _count_rebuilds(monkeypatch)
+    storage = trl.LazyTensorStorage(60)
+    writer = make_buffer(buffer_side, "TensorDictReplayBuffer", storage=storage, batch_size=8)
+    sampler = _slice_sampler(fastreplay, name, 60)
+    reader = make_buffer(
+        buffer_side, "TensorDictReplayBuffer", storage=storage, sampler=sampler, batch_size=8
+    )
+    reference = trl.TensorDictReplayBuffer(
+        storage=storage, sampler=_slice_sampler(trl, name, 60), batch_size=8
+    )
+    writer.extend(episodes(25, [4, 7, 3]))
+    for step in range(6):  # the fourth write wraps around the storage
+        if step:
+            writer.extend(episodes(13, [5, 2, 6], first_id=100 * step))
+        _same_samples(reader, reference, seed=step)
+        assert sampler._fr_index is not None
+    assert not rebuilds  # every write of A was read alone, the first one included
+
+
+@BUFFERS
+@pytest.mark.parametrize("name", [*SLICE_CLASSES, "PrioritizedSliceSampler"])
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_each_write_is_reported_once(
+    buffer_side: str, name: str, ndim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``extend`` and ``add`` report each write once (``mark_update``; ``extend``/``add`` of the
+    sampler report nothing): N writes, then a sample, read the new rows alone."""
+    rebuilds = _count_rebuilds(monkeypatch)
+    storage = trl.LazyTensorStorage(60, ndim=ndim)
+    sampler = _slice_sampler(fastreplay, name, 60)
+    rb = make_buffer(
+        buffer_side, "TensorDictReplayBuffer", storage=storage, sampler=sampler, batch_size=8
+    )
+    columns = 3 if ndim == 2 else None
+    rb.extend(episodes(50 if ndim == 1 else 10, [4, 7, 3], columns=columns))
+    _outcome(rb.sample)
+    before = len(rebuilds)
+    writes = 7
+    # 1-D: adds between the extends. 7 writes wrap around the storage (60 rows; 20 rows of 3
+    # columns), and write fewer rows than it holds (more would be read in one pass instead).
+    for i in range(writes):
+        if ndim == 1 and i % 2:
+            rb.add(episodes(1, 1, first_id=1000 + i)[0])
+        else:
+            rb.extend(episodes(2, [3, 5], columns=columns, first_id=100 * (i + 1)))
+    assert sampler._fr_sync._pending_writes == writes  # one report per write
+    _outcome(rb.sample)
+    assert len(rebuilds) == before
+    assert _same_boundaries(sampler, storage)
+
+
+@pytest.mark.parametrize("name", SLICE_CLASSES)
+def test_a_sampler_told_by_hand_samples_as_torchrl(name: str) -> None:
+    """No buffer: ``storage.set`` then ``sampler.extend(index)`` by hand, as TorchRL's tests do.
+
+    ``extend`` reports nothing (the writers report through ``mark_update``): the index sees
+    the write from the storage (its write count, the version counters) and rereads it.
+    """
+    storage = trl.LazyTensorStorage(40)
+    ours, theirs = _slice_sampler(fastreplay, name, 40), _slice_sampler(trl, name, 40)
+    cursor = 0
+    for step, n in enumerate([15, 12, 20, 6]):  # the third write wraps around the storage
+        index = (torch.arange(n) + cursor) % 40
+        storage.set(index, episodes(n, [4, 7, 3], first_id=100 * step))
+        cursor = (cursor + n) % 40
+        ours.extend(index)
+        theirs.extend(index)
+        torch.manual_seed(step)
+        got = _outcome(ours.sample, storage, 8)
+        torch.manual_seed(step)
+        want = _outcome(theirs.sample, storage, 8)
+        if isinstance(want, Exception):
+            assert (type(got), str(got)) == (type(want), str(want))
+        else:
+            _assert_same(want, got)
+
+
+@NO_UNITS
+@BUFFERS
+def test_sequence_index_is_fed_by_torchrl_s_buffer_writes(buffer_side: str) -> None:
+    """TorchRL's own buffer writes; a buffer with fastreplay's ``Sequence`` samples.
+
+    The unit's index is told of each write by the listener attached to the storage (the
+    writer calls its ``mark_update``): one full read (the first ``expand``, made after the
+    first write), then each write's rows alone; samples are TorchRL's for the same seed.
+    """
+    storage = trl.LazyTensorStorage(60)
+    writer = trl.TensorDictReplayBuffer(storage=storage, batch_size=8)
+    reader = make_buffer(
+        buffer_side,
+        "TensorDictReplayBuffer",
+        storage=storage,
+        batch_size=6,
+        sample_unit=fastreplay.Sequence(length=3, burn_in=1),
+    )
+    reference = trl.TensorDictReplayBuffer(
+        storage=storage, batch_size=6, sample_unit=trl.replay_buffers.Sequence(length=3, burn_in=1)
+    )
+    writer.extend(episodes(25, [4, 7, 3]))
+    for step in range(6):  # the fourth write wraps around the storage
+        if step:
+            writer.extend(episodes(13, [5, 2, 6], first_id=100 * step))
+        _same_samples(reader, reference, seed=step)
+    assert sample_units.rebuilds(storage, DONE) == 1
+    assert len(_listeners(storage)) == 1
+
+
+def _same_windows(storage: Any) -> None:
+    anchors = torch.arange(0, len(storage), 3)
+    got = fastreplay.Sequence(length=4, burn_in=1).expand(anchors, {}, storage)
+    want = trl.replay_buffers.Sequence(length=4, burn_in=1).expand(anchors, {}, storage)
+    _assert_same(want, got)
+
+
+@NO_UNITS
+@BUFFERS
+def test_a_write_at_given_rows_rereads_the_unit_index(buffer_side: str) -> None:
+    """``rb[idx] = td`` is no writer's write (nothing is reported): the storage's write count
+    and the done flags' version counter move, and the index rereads the storage once."""
+    storage = trl.LazyTensorStorage(60)
+    rb = make_buffer(
+        buffer_side,
+        "TensorDictReplayBuffer",
+        storage=storage,
+        batch_size=6,
+        sample_unit=fastreplay.Sequence(length=3, burn_in=1),
+    )
+    rb.extend(episodes(40, [4, 7, 3]))
+    rb.sample()
+    count = sample_units.rebuilds(storage, DONE)
+    rb[torch.arange(10, 16)] = episodes(6, 2, first_id=900)
+    _same_windows(storage)
+    assert sample_units.rebuilds(storage, DONE) == count + 1
+    rb.extend(episodes(5, 5, first_id=950))  # reported: read alone
+    _same_windows(storage)
+    assert sample_units.rebuilds(storage, DONE) == count + 1
+
+
+@NO_UNITS
+def test_a_storage_pickles_with_its_listener() -> None:
+    """A storage pickles what is attached to it: its listener comes back empty (its indices
+    rebuild from the copy), is no buffer to ``round_robin_cursors``, and keeps nothing alive."""
+    storage = trl.LazyTensorStorage(60)
+    rb = fastreplay.TensorDictReplayBuffer(
+        storage=storage, batch_size=6, sample_unit=fastreplay.Sequence(length=3)
+    )
+    rb.extend(episodes(40, [4, 7, 3]))
+    rb.sample()
+    (listener,) = _listeners(storage)
+    assert set(listener.entries) == {DONE}
+    assert compat.round_robin_cursors(storage) == {40}
+    assert not pickle.loads(pickle.dumps(listener)).entries
+    copy = pickle.loads(pickle.dumps(storage))
+    (copied,) = _listeners(copy)
+    assert not copied.entries
+    _same_windows(copy)
+    assert sample_units.rebuilds(copy, DONE) == 1
+    copy.set(torch.arange(40, 45), episodes(5, 5, first_id=950))  # unreported: reread
+    _same_windows(copy)
+    ref = weakref.ref(storage)
+    del storage, rb, listener
+    gc.collect()
+    assert ref() is None

@@ -644,6 +644,7 @@ __all__ += [
     "SLICE_ATTRIBUTE_DEFAULTS",
     "adjusted_batch_size",
     "attach_shared_storage",
+    "attached_entities",
     "batch_size_multiplier",
     "finalize_index",
     "new_sample_list",
@@ -725,16 +726,31 @@ def attach_shared_storage(storage: Any) -> None:
     storage._wait_for_init()
 
 
+def attached_entities(storage: Any) -> list[Any]:
+    """What is attached to ``storage`` (``storage.attach(obj)``): the list itself. O(1).
+
+    TorchRL's writers call ``mark_update(index)`` on each after every write (the buffers
+    using the storage, and any other object attached through the public ``Storage.attach``,
+    such as fastreplay's sample-unit listeners). Reads ``Storage._attached_entities`` (a
+    property that creates the list on first use); an empty list for an object that is no
+    TorchRL storage. Checked on 0.13.3, 0.14.1 and the nightly 2026.10.27.
+    """
+    if not isinstance(storage, Storage):
+        return []
+    return storage._attached_entities
+
+
 def round_robin_cursors(storage: Any) -> set[int]:
     """The cursors of the round-robin writers of the buffers attached to ``storage``. O(buffers).
 
-    Reads ``storage._attached_entities`` (the buffers using it), each buffer's ``_writer`` and,
-    for a ``RoundRobinWriter``, its ``_cursor`` (the next row to write). Checked on 0.13.3,
-    0.14.1 and the nightly 2026.10.27.
+    Reads the entities attached to the storage (:func:`attached_entities`: the buffers using
+    it, and objects that are no buffers, skipped), each buffer's ``_writer`` and, for a
+    ``RoundRobinWriter``, its ``_cursor`` (the next row to write). Checked on 0.13.3, 0.14.1
+    and the nightly 2026.10.27.
     """
     return {
         int(writer._cursor)
-        for buffer in getattr(storage, "_attached_entities", ())
+        for buffer in attached_entities(storage)
         for writer in (getattr(buffer, "_writer", None),)
         if isinstance(writer, RoundRobinWriter)
     }
@@ -1161,9 +1177,11 @@ def claim_rows(
 def rows_written(buffer: Any, storage: Any, index: torch.Tensor) -> None:
     """TorchRL's bookkeeping after the rows ``index`` (:func:`claim_rows`) were written.
 
-    ``TensorStorage.set`` counts the write (mutation revision); the writer tells every buffer
-    attached to the storage (``_attached_entities``; their samplers mark the rows); then the
-    buffer tells its sampler (``extend``). O(buffers attached) on top of the samplers.
+    ``TensorStorage.set`` counts the write (mutation revision); the writer tells every entity
+    attached to the storage (``_attached_entities``, :func:`attached_entities`): each buffer
+    tells its sampler (``mark_update``: the slice samplers record the rows there), each
+    sample-unit listener its indices; then the buffer tells its sampler (``extend``).
+    O(entities attached) on top of their ``mark_update``.
 
     Checked on 0.14.1 and the nightly (0.13.3 lacks it: the direct path does not run there).
     """

@@ -11,10 +11,13 @@ instead, which answers the same queries from a
 the nightly's ``_episode_boundaries`` hook; 0.14's ``expand``, which has no such hook, runs
 unmodified for other anchors):
 
-* writes made through fastreplay's buffers are reported to the index: ``O(rows written)``;
-* writes nobody reported (TorchRL's buffer, ``storage.set``) are seen from the storage's
-  mutation revision and make the index rebuild once, at the next ``expand``
-  (``O(items stored)``, as TorchRL);
+* every write made through a writer, whichever buffer (TorchRL's or fastreplay's) made it,
+  is reported to the index, through TorchRL's public door: a :class:`BoundaryListener`
+  attached to the storage (``storage.attach``), whose ``mark_update`` the writers call after
+  every write, as they call the buffers': ``O(rows written)``;
+* writes nobody reported (``storage.set``, ``rb[idx] = ...``, ``empty()``, a checkpoint
+  loaded) are seen from the storage's mutation revision and make the index rebuild once, at
+  the next ``expand`` (``O(items stored)``, as TorchRL);
 * done flags edited in place through a view of the storage are seen from the version counter
   torch keeps for the ``done_key`` tensor, compared at every ``expand`` with the writes
   reported (``O(1)``), whatever writes came after the edit; edits that move no counter of
@@ -22,7 +25,8 @@ unmodified for other anchors):
 * each query is ``O(batch x log(trajectories))``.
 
 So every record, mask, info key and random draw is TorchRL's, by construction. The index is
-shared by every unit that reads the same storage and ``done_key``. Where it cannot serve
+shared by every unit that reads the same storage and ``done_key`` (the storage's listener
+holds one per ``done_key``). Where it cannot serve
 (floating-point done flags, a full storage without a recorded last write, anchors outside the
 written rows...), TorchRL's own boundary object is used: never an error where TorchRL works.
 ``done_key=None`` (one trajectory per column, bounded by the write seam) needs no index.
@@ -43,8 +47,10 @@ import torch
 from fastreplay._core.sequence_windows import windows
 from fastreplay._torchrl import (
     HAS_EPISODE_BOUNDARIES,
+    Storage,
     TorchRLSequence,
     TorchRLSubgoalTriplet,
+    attached_entities,
     is_torchrl_function,
     last_cursor_row,
     storage_full,
@@ -56,8 +62,8 @@ from fastreplay.errors import MissingKeyError, SignalTypeError, SliceSamplerErro
 from fastreplay.samplers._index_sync import DoneFlags, IndexSync
 
 __all__ = [
+    "BoundaryListener",
     "IndexedBoundaries",
-    "record_write",
     "invalidate_writes",
     "invalidate_done_key",
     "fast_unit",
@@ -83,44 +89,85 @@ class _Entry:
         self.lock = threading.Lock()
 
 
-# storage -> {done_key: _Entry}; weak, so that the index goes with its storage.
-_REGISTRY: weakref.WeakKeyDictionary[Any, dict[Any, _Entry]] = weakref.WeakKeyDictionary()
-_REGISTRY_LOCK = threading.Lock()
+_ALL: Any = object()  # every ``done_key``
 
 
-def _entry(storage: Any, done_key: Any) -> _Entry:
-    entries = _REGISTRY.get(storage)
-    if entries is None or done_key not in entries:
-        with _REGISTRY_LOCK:
-            entries = _REGISTRY.setdefault(storage, {})
-            if done_key not in entries:
-                entries[done_key] = _Entry(done_key)
-    return entries[done_key]
+class BoundaryListener:
+    """The episode-boundary indices of one storage, told of its writes as its buffers are.
 
-
-def record_write(storage: Any, index: Any) -> None:
-    """Report the rows a write of ``storage`` touched to its units' indices.
-
-    ``O(1)`` where no unit reads ``storage``, ``O(rows written)`` otherwise (the rows are
-    read at the next ``expand``). An index that cannot tell the rows (not a round-robin
-    write) rebuilds at the next ``expand``.
+    Attached to the storage with TorchRL's public ``storage.attach(listener)``: TorchRL's
+    writers (and fastreplay's direct write path) call :meth:`mark_update` on every entity
+    attached to the storage after every write, whichever buffer (TorchRL's or fastreplay's)
+    wrote. The storage holds the listener, the listener holds no reference to the storage,
+    so the indices go with their storage. It pickles as an empty listener (a storage pickles
+    what is attached to it): the copy's indices rebuild from its storage at their first
+    ``expand``. It is no buffer: ``round_robin_cursors`` finds no writer on it.
     """
-    entries = _REGISTRY.get(storage)
-    if not entries:
-        return
-    for entry in list(entries.values()):
-        with entry.lock:
-            try:
-                entry.sync.record(index)
-            except (TypeError, ValueError, RuntimeError):
-                entry.sync.invalidate()
+
+    def __init__(self) -> None:
+        self.entries: dict[Any, _Entry] = {}  # done_key -> its index
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (BoundaryListener, ())
+
+    def entry(self, done_key: Any) -> _Entry:
+        """The index read from ``done_key``, made empty (to rebuild) on first use. O(1)."""
+        entry = self.entries.get(done_key)
+        if entry is None:
+            with _LOCK:
+                entry = self.entries.setdefault(done_key, _Entry(done_key))
+        return entry
+
+    def mark_update(self, index: Any) -> None:
+        """Record the rows a write touched: ``O(rows written)`` per index, read at ``expand``.
+
+        An index that cannot tell the rows (not a round-robin write) rebuilds at the next
+        ``expand``. O(1) where no unit reads the storage yet.
+        """
+        for entry in list(self.entries.values()):
+            with entry.lock:
+                try:
+                    entry.sync.record(index)
+                except (TypeError, ValueError, RuntimeError):
+                    entry.sync.invalidate()
+
+    def invalidate(self, done_key: Any = _ALL) -> None:
+        """Rebuild the index of ``done_key`` (default: every index) at the next ``expand``."""
+        for key, entry in list(self.entries.items()):
+            if done_key is _ALL or key == done_key:
+                with entry.lock:
+                    entry.sync.invalidate()
+
+
+_LOCK = threading.Lock()  # makes each storage's listener, and each listener's entries, once
+_LISTENERS: weakref.WeakSet[BoundaryListener] = weakref.WeakSet()  # for a storage-wide reset
+
+
+def _listener(storage: Any, create: bool) -> BoundaryListener | None:
+    """The listener attached to ``storage`` (attached now if ``create``). O(entities attached)."""
+    for entity in attached_entities(storage):
+        if type(entity) is BoundaryListener:
+            return entity
+    if not create or not isinstance(storage, Storage):
+        return None  # no TorchRL storage: nothing calls ``mark_update`` on what it holds
+    with _LOCK:
+        for entity in attached_entities(storage):
+            if type(entity) is BoundaryListener:
+                return entity
+        listener = BoundaryListener()
+        storage.attach(listener)
+        _LISTENERS.add(listener)
+    return listener
 
 
 def invalidate_writes(storage: Any) -> None:
-    """``storage`` was written in a way no index can follow: rebuild at the next ``expand``."""
-    for entry in list((_REGISTRY.get(storage) or {}).values()):
-        with entry.lock:
-            entry.sync.invalidate()
+    """``storage`` was written in a way no index can follow: rebuild at the next ``expand``.
+
+    A write that raised part way (its rows written in part, no write reported). O(indices).
+    """
+    listener = _listener(storage, create=False)
+    if listener is not None:
+        listener.invalidate()
 
 
 def invalidate_done_key(storage: Any, done_key: Any) -> None:
@@ -129,19 +176,19 @@ def invalidate_done_key(storage: Any, done_key: Any) -> None:
     ``storage=None``: the index of every storage read from ``done_key``. O(1) per storage
     indexed (each then rebuilds once: ``O(items stored)``).
     """
-    with _REGISTRY_LOCK:
-        tables = list(_REGISTRY.values()) if storage is None else [_REGISTRY.get(storage) or {}]
-    for entries in tables:
-        entry = entries.get(done_key)
-        if entry is not None:
-            with entry.lock:
-                entry.sync.invalidate()
+    if storage is None:
+        listeners = list(_LISTENERS)
+    else:
+        listener = _listener(storage, create=False)
+        listeners = [] if listener is None else [listener]
+    for listener in listeners:
+        listener.invalidate(done_key)
 
 
 def rebuilds(storage: Any, done_key: Any) -> int:
     """How many times the index of ``storage``/``done_key`` read the whole storage."""
-    entries = _REGISTRY.get(storage) or {}
-    entry = entries.get(done_key)
+    listener = _listener(storage, create=False)
+    entry = None if listener is None else listener.entries.get(done_key)
     return entry.sync.rebuilds if entry is not None else 0
 
 
@@ -203,7 +250,10 @@ class IndexedBoundaries:
             if not 0 <= stop < length:
                 return None
             return cls(length, lanes, None, (stop + 1) % length, stop, fallback)
-        entry = _entry(storage, done_key)
+        listener = _listener(storage, create=True)
+        if listener is None:
+            return None  # a storage nothing can be attached to: TorchRL's object
+        entry = listener.entry(done_key)
         with entry.lock:
             try:
                 index = entry.sync.sync(storage, entry.key)
@@ -273,7 +323,7 @@ class _IndexedUnit:
         """Episode boundaries of ``storage`` read from ``done_key``, from the shared index.
 
         ``O(1)`` when nothing was written since the last call, ``O(rows written)`` after
-        writes fastreplay's buffers reported, ``O(items stored)`` once after other writes;
+        writes the storage's writers reported, ``O(items stored)`` once after other writes;
         TorchRL's own object where the index cannot serve.
         """
         return _episode_boundaries(storage, done_key, device)
@@ -281,7 +331,8 @@ class _IndexedUnit:
     def invalidate_boundaries(self, storage: Any = None) -> None:
         """Reread the episode boundaries from the storage at the next ``expand``.
 
-        The boundaries are kept from the writes fastreplay's buffers report, and checked at
+        The boundaries are kept from the writes the storage's writers report (any buffer's,
+        through the :class:`BoundaryListener` attached to the storage), and checked at
         every ``expand`` against the storage's write count and the version counter torch
         keeps for the ``done_key`` tensor: writes nobody reported, and in-place edits of the
         done flags through a view of the storage (``storage[:]["next", "done"][i] = True``),
@@ -375,10 +426,12 @@ if TorchRLSequence is not None:
         Same arguments, records, masks, info entries and random draws as
         :class:`torchrl.data.replay_buffers.Sequence` (it runs TorchRL's ``expand``), but the
         boundaries come from fastreplay's trajectory index instead of a scan of the whole
-        ``done_key`` entry after every write. In fastreplay's buffers an ``expand`` costs
+        ``done_key`` entry after every write. An ``expand`` costs
         ``O(batch x (burn_in + length + bootstrap) + batch x log(trajectories))`` plus
-        ``O(rows written since the last sample)``; in TorchRL's buffers, which report no
-        writes, the index rebuilds once after each write (``O(items stored)``, as TorchRL's).
+        ``O(rows written since the last sample)``, whichever buffer wrote those rows (the
+        writers report each write to the index: :class:`BoundaryListener`); writes that are
+        not reported (``storage.set``, ``rb[idx] = ...``) make it rebuild once
+        (``O(items stored)``, as TorchRL's after every write).
         Done flags edited through ``tensor.data`` or by another process need
         :meth:`invalidate_boundaries`; edits through a view of the storage are seen.
 
@@ -444,7 +497,7 @@ if TorchRLSubgoalTriplet is not None and HAS_EPISODE_BOUNDARIES:
         Same arguments and results as TorchRL's (it runs TorchRL's ``expand``, the same
         random draws from the storage's generator), with the boundaries of
         :class:`Sequence`: ``O(batch x log(trajectories))`` per ``expand`` plus the rows
-        written since the last one, in fastreplay's buffers.
+        written since the last one.
 
         Keyword Args:
             goal_discount: the goal offset's distribution (geometric, or ``None``: uniform).

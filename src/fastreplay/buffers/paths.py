@@ -254,12 +254,6 @@ class PathChoice:
             raise
         if first:
             huge_pages.after_first_write(self)
-        if HAS_SAMPLE_UNITS:
-            storage = self.__dict__.get("_storage")
-            if out is None:
-                _units.invalidate_writes(storage)  # ``rb[idx] = ...``: not a cursor write
-            else:
-                _units.record_write(storage, out)
         return out
 
     def _fr_extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:

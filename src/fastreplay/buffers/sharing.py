@@ -38,6 +38,7 @@ from fastreplay._torchrl import (
     Sampler,
     TensorDictRoundRobinWriter,
     TensorStorage,
+    attached_entities,
     buffer_sampler,
     buffer_writer,
     is_consuming,
@@ -107,18 +108,20 @@ class SharedBufferChecks:
     * ``sample`` holds the shared write lock throughout (TorchRL's ``sync=False`` catch-up
       reads ``write_count`` before taking it), and goes before the writes that have not
       started when it waits for the lock (:func:`_turn`).
-    * Writes made by other processes are reported to this process's sampler (``extend`` with
-      the rows written, one call per write) at the start of every locked section of this
-      process, under the shared write lock. A sampler that keeps an index from reported writes
-      (``SliceSampler``) then updates it in ``O(rows written)`` instead of rebuilding it from
-      the whole storage. The rows are known from the shared writer cursor and ``write_count``
-      and a shared count of buffer writes, so this applies to 1-D storages written by a
-      round-robin writer through this class; any other write (``rb[idx] = ...``, another
-      buffer class on the same storage) is not counted, and the sampler's own revision check
-      then rebuilds, as before. ``O(1)`` per locked section when nothing was written elsewhere.
-      The reports are marked as other processes' (:func:`fastreplay.samplers._index_sync.
-      remote_writes`): they moved no version counter here, so the sampler's check for writes
-      nobody reported does not count them as local writes.
+    * Writes made by other processes are reported in this process as a writer reports a write
+      (``mark_update`` of every entity attached to the storage: this buffer, which tells its
+      sampler, and the sample units' listeners; then the sampler's ``extend``; one report per
+      write) at the start of every locked section of this process, under the shared write
+      lock. An index kept from reported writes (``SliceSampler``'s, a ``Sequence`` unit's)
+      then updates in ``O(rows written)`` instead of rebuilding from the whole storage. The
+      rows are known from the shared writer cursor and ``write_count`` and a shared count of
+      buffer writes, so this applies to 1-D storages written by a round-robin writer through
+      this class; any other write (``rb[idx] = ...``, another buffer class on the same
+      storage) is not counted, and the sampler's own revision check then rebuilds, as before.
+      ``O(1)`` per locked section when nothing was written elsewhere. The reports are marked
+      as other processes' (:func:`fastreplay.samplers._index_sync.remote_writes`): they moved
+      no version counter here, so the indices' check for writes nobody reported does not
+      count them as local writes.
     """
 
     _fr_writes: Any = None  # multiprocessing.Value("q"): writes through this class, all processes
@@ -244,11 +247,17 @@ class SharedBufferChecks:
             # Emptied elsewhere, or written by something this class does not count: report
             # nothing; the sampler sees the storage revision move and rebuilds.
             return
-        rows = int(self._storage.max_size)
+        storage = self._storage
+        rows = int(storage.max_size)
         index = torch.arange(cursor - min(items, rows), cursor) % rows
         sampler = buffer_sampler(self)
         with remote_writes():  # they moved no version counter of this process's tensors
             for part in torch.tensor_split(index, calls):  # one report per write
+                # As the writer reports a write here: every entity attached to the storage
+                # (this buffer -> its sampler's ``mark_update``, sample-unit listeners),
+                # then this buffer's sampler (``extend``).
+                for entity in list(attached_entities(storage)):
+                    entity.mark_update(part)
                 sampler.extend(part)
 
     @contextlib.contextmanager

@@ -1,13 +1,19 @@
 """Storage -> trajectory index: the one place a slice sampler reads its storage's boundaries.
 
-Each of fastreplay's slice samplers owns an :class:`IndexSync`. The sampler reports the rows
-every ``extend``/``add`` wrote (:meth:`IndexSync.record`), and asks for the index at each
-``sample`` (:meth:`IndexSync.sync`): the reported rows are read from the storage and added to a
-:class:`fastreplay._core.trajectory_index.TrajectoryIndex` (``O(rows written)``), or, after writes
-the sampler was not told about (the storage's mutation revision moved, another process wrote,
-a checkpoint was loaded, a boundary key changed), the index is rebuilt from the whole storage
-once (``O(items stored)``). Storages of ``ndim > 1`` are indexed per column; :meth:`coords`
-turns a column back into its coordinates.
+Each of fastreplay's slice samplers owns an :class:`IndexSync` (so do the sample units'
+listeners and ``HERReplayBuffer``). The rows of every write are reported to it
+(:meth:`IndexSync.record`) through TorchRL's write hook, ``mark_update``: TorchRL's writers
+(and fastreplay's direct write path) call it, after every write, on every entity attached to
+the storage (``storage.attach``): each buffer (``ReplayBuffer.mark_update`` tells its
+sampler), each sample-unit listener. So a write through any buffer sharing the storage is
+reported, once; ``extend``/``add``, which only the writing buffer calls, report nothing. The
+owner asks for the index at each ``sample`` (:meth:`IndexSync.sync`): the reported rows are
+read from the storage and added to a :class:`fastreplay._core.trajectory_index.TrajectoryIndex`
+(``O(rows written)``), or, after writes nobody reported (the storage's mutation revision moved:
+``storage.set``, ``rb[idx] = ...``, another process, a checkpoint loaded; a boundary key
+changed), the index is rebuilt from the whole storage once (``O(items stored)``). Storages
+of ``ndim > 1`` are indexed per column; :meth:`coords` turns a column back into its
+coordinates.
 
 A write that raises part way (a shape mismatch on a later key of ``rb[idx] = td`` or
 ``storage.set``) leaves the rows of the keys before it written, but the storage's mutation
@@ -58,7 +64,7 @@ _REMOTE = threading.local()  # ``on``: the writes reported now were made by othe
 
 @contextlib.contextmanager
 def remote_writes() -> Iterator[None]:
-    """Writes reported inside (``sampler.extend(rows)``) were made by other processes.
+    """Writes reported inside (``entity.mark_update(rows)``) were made by other processes.
 
     Their rows went to shared memory from another process, which moves no version counter of
     this process's tensors: :meth:`IndexSync.record` (and the staleness sampler) then expect
@@ -173,7 +179,10 @@ class IndexSync:
             self._loaded = True
 
     def record(self, index: int | torch.Tensor | tuple[torch.Tensor, ...]) -> None:
-        """The rows one ``extend``/``add`` wrote: ``O(items written)``, on numpy.
+        """The rows one write wrote (its ``mark_update``): ``O(items written)``, on numpy.
+
+        Exactly one call per write: the version counters of the signal tensors are compared
+        with the number of calls.
 
         A round-robin run (consecutive rows, wrapping at most once to row 0) is queued to be
         read at the next :meth:`sync`; any other write marks the index for a rebuild. Inside

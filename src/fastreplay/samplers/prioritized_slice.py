@@ -202,15 +202,22 @@ class PrioritizedSliceSampler(PrioritizedSampler, _TorchRLPrioritizedSliceSample
         )
 
     # ----------------------------------------------------------------- write notifications
-    def extend(self, index: torch.Tensor | tuple) -> None:
-        """Record the written rows in the trajectory index (``O(items written)``)."""
+    def mark_update(self, index: int | torch.Tensor, *, storage: Storage | None = None) -> None:
+        """Give the written rows the default priority, then record them in the trajectory index.
+
+        TorchRL's write hook: the writer calls it through every buffer attached to the storage,
+        once per write (``O(items written x log capacity)``). ``extend``/``add`` record nothing.
+        """
+        super().mark_update(index, storage=storage)
         self._fr_sync.record(index)
+
+    def extend(self, index: torch.Tensor | tuple) -> None:
+        """Drop TorchRL's cached trajectory ends (the rows were recorded by ``mark_update``)."""
         if self.cache_values:
             self._cache.pop("preceding_stop_idx", None)
 
     def add(self, index: int | torch.Tensor) -> None:
-        """Record the written row in the trajectory index."""
-        self._fr_sync.record(index)
+        """Drop TorchRL's cached trajectory ends (the row was recorded by ``mark_update``)."""
         if self.cache_values:
             self._cache.pop("preceding_stop_idx", None)
 

@@ -311,14 +311,17 @@ class SliceSampler(_TorchRLSliceSampler):
     ``terminated`` info, ``is_init`` markers, ``strict_length``, ``span``, ``pad_output``) as
     TorchRL's class. The same seed gives bit-identical samples. TorchRL rescans the whole storage
     at the first ``sample`` after every write; this class updates a trajectory index from the
-    rows each ``extend``/``add`` reports:
+    rows each write reports through TorchRL's write hook (``mark_update``, which the writer
+    calls through every buffer attached to the storage, so a write through another buffer
+    sharing the storage is reported too):
 
     * a write of ``n`` items costs ``O(n)``, not ``O(items stored)``;
     * ``sample`` costs ``O(batch)``, independent of capacity and of the number of trajectories;
     * the index holds ``O(number of trajectories)`` integers.
 
-    Writes through the storage that the sampler was not told about (``rb[idx] = ...``, another
-    writer or process, ``empty()``, ``loads``, ``load_state_dict``) change the storage's
+    Writes through the storage that the sampler was not told about (``rb[idx] = ...``,
+    ``storage.set``, another process, ``empty()``, ``loads``, ``load_state_dict``; a
+    ``sampler.extend(index)`` called by hand reports nothing) change the storage's
     mutation revision; the index is then rebuilt from the storage once (``O(items stored)``),
     never served stale. In-place edits of stored done flags or trajectory ids through a view
     (``storage[:][key][i] = ...``) bypass the storage but move the version counter torch keeps
@@ -402,14 +405,15 @@ class SliceSampler(_TorchRLSliceSampler):
     _fr_batch = slice_counts
 
     # ----------------------------------------------------------------- write notifications
-    def extend(self, index: torch.Tensor) -> None:
-        """Record the rows the writer just wrote (``O(items written)``)."""
-        super().extend(index)
-        self._fr_sync.record(index)
+    def mark_update(self, index: int | torch.Tensor, *, storage: Any = None) -> None:
+        """Record the rows a write just wrote (``O(items written)``): TorchRL's write hook.
 
-    def add(self, index: int | torch.Tensor) -> None:
-        """Record the row the writer just wrote."""
-        super().add(index)
+        TorchRL's writers call it, through every buffer attached to the storage
+        (``ReplayBuffer.mark_update``), once per write: writes through another buffer that
+        shares the storage are recorded too. ``extend``/``add`` (called by the writing
+        buffer only) record nothing: a write is recorded once. TorchRL's own hook runs first.
+        """
+        super().mark_update(index, storage=storage)
         self._fr_sync.record(index)
 
     def _empty(self) -> None:
