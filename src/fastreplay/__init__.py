@@ -18,6 +18,7 @@ from fastreplay.buffers import (
 from fastreplay.ppo import chunked_log_prob
 from fastreplay.ray_buffer import RayReplayBuffer
 from fastreplay.sample_units import __all__ as _unit_names
+from fastreplay.storages import LazyMemmapStorage, LazyTensorStorage, TensorStorage
 from fastreplay.samplers import (
     PrioritizedSampler,
     PrioritizedSliceSampler,
@@ -43,6 +44,9 @@ __all__ = [
     "RayReplayBuffer",
     "StalenessAwareSampler",
     "HERReplayBuffer",
+    "LazyMemmapStorage",
+    "LazyTensorStorage",
+    "TensorStorage",
     *(name for name in ("StreamingSliceSampler",) if name in _samplers.__all__),
 ]
 

@@ -175,6 +175,9 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictRoun
 # What the rest of fastreplay uses; TorchRL's private names it uses are re-exported as `x as x`.
 __all__ = [
     "TENSOR_STORAGES",
+    "LAZY_TENSOR_STORAGES",
+    "plain_rows",
+    "register_tensor_storages",
     "storage_slots",
     "storage_len",
     "ALPHA_CHANGE_RETRANSFORMS",
@@ -464,6 +467,75 @@ def pads_short_slices(sampler: Any) -> bool:
     ``pad_output=True`` on every version, and ``output_layout="batch_time"`` on the nightly.
     """
     return bool(getattr(sampler, "pad_output", False)) or is_batch_time(sampler)
+
+
+# ------------------------------------------------------------------ accessors: storages
+# What fastreplay's storage classes (``fastreplay.storages``) read of TorchRL's storages.
+
+LAZY_TENSOR_STORAGES: tuple[type, ...] = (LazyTensorStorage,)
+"""``LazyTensorStorage`` and fastreplay's subclass of it (exact types; huge pages advised)."""
+
+_GATHER_DTYPES = (torch.long, torch.int)
+
+
+def register_tensor_storages(*classes: type, lazy: tuple[type, ...] = ()) -> None:
+    """Add fastreplay's storage classes to :data:`TENSOR_STORAGES`. O(1), once at import.
+
+    fastreplay's ``TensorStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage`` change
+    only how ``get`` reads (the same output), so the buffers' direct path, which writes and
+    reads the storage's TensorDict itself, takes them as it takes TorchRL's.
+
+    Args:
+        classes: The storage classes to add.
+        lazy: Those of them that allocate as ``LazyTensorStorage`` does
+            (:data:`LAZY_TENSOR_STORAGES`).
+    """
+    global TENSOR_STORAGES, LAZY_TENSOR_STORAGES
+    TENSOR_STORAGES = TENSOR_STORAGES + tuple(c for c in classes if c not in TENSOR_STORAGES)
+    LAZY_TENSOR_STORAGES = LAZY_TENSOR_STORAGES + tuple(
+        c for c in lazy if c not in LAZY_TENSOR_STORAGES
+    )
+
+
+def plain_rows(storage: Any, index: Any) -> tuple[TensorDict, int] | None:
+    """``(the storage's TensorDict, rows TorchRL's get reads)`` for a plain read, else None.
+
+    Plain: the storage is initialised, 1-D (``ndim == 1``), not compilable and not being
+    traced by ``torch.compile``, and holds exactly a ``TensorDict`` without dimension names;
+    ``index`` is a 1-D ``int64`` or ``int32`` tensor on the CPU. The rows are what
+    ``TensorStorage.get`` slices before indexing: all of them when the storage is full
+    (``_is_full``: ``len == max_size``), else ``len``. Reads ``initialized``, ``ndim``,
+    ``_compilable``, ``_storage``, ``max_size`` and the ``_len_value`` counter
+    (:func:`storage_len`) from the instance's ``__dict__``. O(1).
+
+    Checked on TorchRL 0.13.3, 0.14.1 and the nightly 2026.10.27 (the same ``get``).
+    """
+    if (
+        type(index) is not torch.Tensor
+        or index.ndim != 1
+        or index.dtype not in _GATHER_DTYPES
+        or not index.is_cpu
+    ):
+        return None
+    state = storage.__dict__
+    store = state.get("_storage")
+    if (
+        type(store) is not TensorDict
+        or not state.get("initialized", False)
+        or state.get("ndim") != 1
+        or state.get("_compilable", True)
+        or store._td_dim_names is not None
+        or _is_compiling()
+    ):
+        return None
+    length = storage_len(storage)
+    if length == state.get("max_size"):
+        size = store._batch_size
+        return store, size[0] if size else 0
+    return store, length
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 # ------------------------------------------------------------------ accessors: priority samplers
