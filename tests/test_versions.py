@@ -22,7 +22,14 @@ import torch
 import torchrl.data as trl
 
 import fastreplay
-from conformance.conftest import BUFFER_SIDES, DONE, TORCHRL_BUFFER, episodes, make_buffer
+from conformance.conftest import (
+    BUFFER_SIDES,
+    DONE,
+    TORCHRL_BUFFER,
+    assert_slices_valid,
+    episodes,
+    make_buffer,
+)
 from conftest import TORCHRL_EXT
 from fastreplay import _torchrl as compat
 from fastreplay import sample_units
@@ -484,6 +491,7 @@ def _listeners(storage: Any) -> list[Any]:
     return [e for e in compat.attached_entities(storage) if isinstance(e, BoundaryListener)]
 
 
+@_SHORT  # slices without replacement may come back short (the nightly warns)
 @BUFFERS
 @pytest.mark.parametrize("name", SLICE_CLASSES)
 def test_writes_through_another_buffer_are_read_incrementally(
@@ -505,15 +513,25 @@ def test_writes_through_another_buffer_are_read_incrementally(
     reference = trl.TensorDictReplayBuffer(
         storage=storage, sampler=_slice_sampler(trl, name, 60), batch_size=8
     )
+    # TorchRL 0.13's SliceSamplerWithoutReplacement, in a buffer that did not write, does not
+    # see the other buffer's writes (0.13's storages count no writes; only the writing
+    # buffer's sampler hears ``extend``): there the slices are checked against the data.
+    compare = compat.STORAGE_HAS_REVISION or name == "SliceSampler"
     writer.extend(episodes(25, [4, 7, 3]))
     for step in range(6):  # the fourth write wraps around the storage
         if step:
             writer.extend(episodes(13, [5, 2, 6], first_id=100 * step))
-        _same_samples(reader, reference, seed=step)
+        if compare:
+            _same_samples(reader, reference, seed=step)
+        else:
+            sample = _outcome(reader.sample)
+            if not isinstance(sample, Exception):
+                assert_slices_valid(sample["obs"], 2)
         assert sampler._fr_index is not None
     assert not rebuilds  # every write of A was read alone, the first one included
 
 
+@_SHORT  # slices without replacement may come back short (the nightly warns)
 @BUFFERS
 @pytest.mark.parametrize("name", [*SLICE_CLASSES, "PrioritizedSliceSampler"])
 @pytest.mark.parametrize("ndim", [1, 2])
@@ -546,6 +564,7 @@ def test_each_write_is_reported_once(
     assert _same_boundaries(sampler, storage)
 
 
+@_SHORT  # slices without replacement may come back short (the nightly warns)
 @pytest.mark.parametrize("name", SLICE_CLASSES)
 def test_a_sampler_told_by_hand_samples_as_torchrl(name: str) -> None:
     """No buffer: ``storage.set`` then ``sampler.extend(index)`` by hand, as TorchRL's tests do.

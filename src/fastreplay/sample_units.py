@@ -106,6 +106,7 @@ class BoundaryListener:
 
     def __init__(self) -> None:
         self.entries: dict[Any, _Entry] = {}  # done_key -> its index
+        _LISTENERS.add(self)  # unpickled ones too: ``invalidate_done_key(None, ...)`` finds them
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return (BoundaryListener, ())
@@ -140,7 +141,7 @@ class BoundaryListener:
 
 
 _LOCK = threading.Lock()  # makes each storage's listener, and each listener's entries, once
-_LISTENERS: weakref.WeakSet[BoundaryListener] = weakref.WeakSet()  # for a storage-wide reset
+_LISTENERS: weakref.WeakSet[BoundaryListener] = weakref.WeakSet()  # every live listener (weak)
 
 
 def _listener(storage: Any, create: bool) -> BoundaryListener | None:
@@ -156,7 +157,6 @@ def _listener(storage: Any, create: bool) -> BoundaryListener | None:
                 return entity
         listener = BoundaryListener()
         storage.attach(listener)
-        _LISTENERS.add(listener)
     return listener
 
 
