@@ -39,7 +39,9 @@ def _cases(stored: int, batch: int) -> dict[str, Callable[[Any], Any]]:
 
     def torchrl_per(storage: Any) -> Any:
         return TorchRLBuffer(
-            storage=storage, sampler=fastreplay.PrioritizedSampler(stored, 0.7, 0.5), batch_size=batch
+            storage=storage,
+            sampler=fastreplay.PrioritizedSampler(stored, 0.7, 0.5),
+            batch_size=batch,
         )
 
     def fastreplay_transform(storage: Any) -> Any:
