@@ -262,14 +262,18 @@ def test_uninitialised_storage_raises_as_torchrl(tmp_path: Any) -> None:
     same(*(get_or_error(storage, torch.tensor([0])) for storage in pair))
 
 
-def test_compilable_storage_is_torchrl_get(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compilable_storage_and_compiled_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compilable storage read eagerly is gathered (the same rows); a read traced by
+    ``torch.compile`` is TorchRL's ``get``."""
+    storage = fastreplay.LazyTensorStorage(9, compilable=True)
+    reference = trl.LazyTensorStorage(9, compilable=True)
+    write((storage, reference), [4], 9)
+    index = torch.tensor([1, 2])
+    same(reference.get(index), storage.get(index))
     calls = []
     monkeypatch.setattr(storages, "gather_rows", lambda *a, **k: calls.append(1))
-    storage = fastreplay.LazyTensorStorage(9, compilable=True)
-    storage.set(torch.arange(4), rows(4, 0))
-    reference = trl.LazyTensorStorage(9, compilable=True)
-    reference.set(torch.arange(4), rows(4, 0))
-    same(reference.get(torch.tensor([1, 2])), storage.get(torch.tensor([1, 2])))
+    monkeypatch.setattr(_torchrl, "_is_compiling", lambda: True)
+    same(reference.get(index), storage.get(index))
     assert not calls
 
 
