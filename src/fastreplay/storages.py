@@ -11,14 +11,14 @@ path (a transform, ``prefetch``, a shared buffer, or TorchRL's own ``TensorDictR
 
 Here, a read is one ``index_select`` per leaf into a new ``TensorDict`` built without
 re-validation (:func:`fastreplay.buffers.rows.gather_rows`) when the case is plain
-(:func:`fastreplay._torchrl.plain_rows`: an initialised 1-D storage of a plain ``TensorDict``
-on the CPU, read with a 1-D ``int64``/``int32`` CPU tensor); anything else (an ``ndim > 1``
+(:func:`fastreplay._torchrl.plain_rows`: an initialised 1-D storage of a plain ``TensorDict`` on
+the CPU, read with a 1-D ``int64``/``int32`` CPU tensor); anything else (an ``ndim > 1``
 storage, an integer, a slice, a tuple, a mask, a storage of plain tensors, an accelerator
 storage, non-tensor data, dimension names, a read traced by ``torch.compile``) is TorchRL's
 ``get``. A row outside the filled rows, or a negative one, is also left to TorchRL's ``get``,
-which returns or raises what it always does. The output is TorchRL's: the same values, dtypes, devices,
-batch size, keys and order, and the same tensor types (plain tensors, also from a memmap).
-Writes are TorchRL's.
+which returns or raises what it always does. The output is TorchRL's: the same values, dtypes,
+devices, batch size, keys and order, and the same tensor types (plain tensors, also from a
+memmap). Writes are TorchRL's.
 
 The buffers' direct path (:mod:`fastreplay.buffers.paths`) takes these classes as it takes
 TorchRL's.
