@@ -413,3 +413,13 @@ def test_direct_path_takes_fastreplay_storages() -> None:
     plain = _torchrl.plain_storage(rb, False)
     assert (plain is rb.storage) == STORAGE_HAS_REVISION
     assert fastreplay.LazyTensorStorage in _torchrl.LAZY_TENSOR_STORAGES
+
+
+def test_benchmark_script_runs_and_checks_both_sides_agree() -> None:
+    """``benchmarks/storage_get.py`` at a small size: every case's sides sample the same."""
+    from benchmarks import storage_get
+
+    results = storage_get.main(
+        ["--stored", "1000", "--batch", "16", "--rounds", "1", "--calls", "2"]
+    )
+    assert len(results) == 4 and all(a > 0 and b > 0 for a, b in results.values())
