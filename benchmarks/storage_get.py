@@ -15,7 +15,10 @@ Cases: TorchRL's ``TensorDictReplayBuffer`` with fastreplay's ``PrioritizedSampl
 (``torchrl buffer + PER``); fastreplay's ``TensorDictReplayBuffer`` with a transform (a
 ``Compose`` of one ``ExcludeTransform``, so TorchRL's general path) and fastreplay's
 ``PrioritizedSampler`` (``fastreplay buffer + transform``); TorchRL's ``TensorDictReplayBuffer``
-with TorchRL's ``RandomSampler`` (``torchrl buffer + uniform``). Before timing, each case
+with TorchRL's ``RandomSampler`` (``torchrl buffer + uniform``); fastreplay's
+``TensorDictReplayBuffer`` with fastreplay's ``PrioritizedSampler`` and no transform
+(``fastreplay buffer, direct path``: the storage's ``get`` is not called, both sides should take
+the same time). Before timing, each case
 checks that both sides return identical samples for the same seed.
 """
 
@@ -39,7 +42,9 @@ def _cases(stored: int, batch: int) -> dict[str, Callable[[Any], Any]]:
 
     def torchrl_per(storage: Any) -> Any:
         return TorchRLBuffer(
-            storage=storage, sampler=fastreplay.PrioritizedSampler(stored, 0.7, 0.5), batch_size=batch
+            storage=storage,
+            sampler=fastreplay.PrioritizedSampler(stored, 0.7, 0.5),
+            batch_size=batch,
         )
 
     def fastreplay_transform(storage: Any) -> Any:
@@ -53,11 +58,19 @@ def _cases(stored: int, batch: int) -> dict[str, Callable[[Any], Any]]:
     def torchrl_uniform(storage: Any) -> Any:
         return TorchRLBuffer(storage=storage, sampler=RandomSampler(), batch_size=batch)
 
+    def fastreplay_direct(storage: Any) -> Any:
+        return fastreplay.TensorDictReplayBuffer(
+            storage=storage,
+            sampler=fastreplay.PrioritizedSampler(stored, 0.7, 0.5),
+            batch_size=batch,
+        )
+
     del torch
     return {
         "torchrl buffer + PER": torchrl_per,
         "fastreplay buffer + transform": fastreplay_transform,
         "torchrl buffer + uniform": torchrl_uniform,
+        "fastreplay buffer, direct path": fastreplay_direct,
     }
 
 

@@ -18,7 +18,6 @@ from fastreplay.buffers import (
 from fastreplay.ppo import chunked_log_prob
 from fastreplay.ray_buffer import RayReplayBuffer
 from fastreplay.sample_units import __all__ as _unit_names
-from fastreplay.storages import LazyMemmapStorage, LazyTensorStorage, TensorStorage
 from fastreplay.samplers import (
     PrioritizedSampler,
     PrioritizedSliceSampler,
@@ -26,6 +25,7 @@ from fastreplay.samplers import (
     SliceSamplerWithoutReplacement,
     StalenessAwareSampler,
 )
+from fastreplay.storages import LazyMemmapStorage, LazyTensorStorage, TensorStorage
 
 if "StreamingSliceSampler" in _samplers.__all__:  # TorchRL 0.14 and later
     from fastreplay.samplers import StreamingSliceSampler as StreamingSliceSampler

@@ -500,13 +500,14 @@ def register_tensor_storages(*classes: type, lazy: tuple[type, ...] = ()) -> Non
 def plain_rows(storage: Any, index: Any) -> tuple[TensorDict, int] | None:
     """``(the storage's TensorDict, rows TorchRL's get reads)`` for a plain read, else None.
 
-    Plain: the storage is initialised, 1-D (``ndim == 1``), not compilable and not being
-    traced by ``torch.compile``, and holds exactly a ``TensorDict`` without dimension names;
-    ``index`` is a 1-D ``int64`` or ``int32`` tensor on the CPU. The rows are what
-    ``TensorStorage.get`` slices before indexing: all of them when the storage is full
-    (``_is_full``: ``len == max_size``), else ``len``. Reads ``initialized``, ``ndim``,
-    ``_compilable``, ``_storage``, ``max_size`` and the ``_len_value`` counter
-    (:func:`storage_len`) from the instance's ``__dict__``. O(1).
+    Plain: the storage is initialised, 1-D (``ndim == 1``), not being traced by
+    ``torch.compile`` (a compilable storage read eagerly gives the same rows either way), and
+    holds exactly a ``TensorDict`` without dimension names (:func:`td_parts`); ``index`` is a
+    1-D ``int64`` or ``int32`` tensor on the CPU. The rows are what ``TensorStorage.get``
+    slices before indexing: all of them when the storage is full (``_is_full``:
+    ``len == max_size``), else ``len``. Reads ``initialized``, ``ndim``, ``_storage``,
+    ``max_size`` and the ``_len_value`` counter (:func:`storage_len`) from the instance's
+    ``__dict__``. O(1).
 
     Checked on TorchRL 0.13.3, 0.14.1 and the nightly 2026.10.27 (the same ``get``).
     """
@@ -523,14 +524,14 @@ def plain_rows(storage: Any, index: Any) -> tuple[TensorDict, int] | None:
         type(store) is not TensorDict
         or not state.get("initialized", False)
         or state.get("ndim") != 1
-        or state.get("_compilable", True)
-        or store._td_dim_names is not None
         or _is_compiling()
     ):
         return None
+    _, size, _, names = td_parts(store)
+    if names is not None:
+        return None
     length = storage_len(storage)
     if length == state.get("max_size"):
-        size = store._batch_size
         return store, size[0] if size else 0
     return store, length
 

@@ -11,14 +11,14 @@ path (a transform, ``prefetch``, a shared buffer, or TorchRL's own ``TensorDictR
 
 Here, a read is one ``index_select`` per leaf into a new ``TensorDict`` built without
 re-validation (:func:`fastreplay.buffers.rows.gather_rows`) when the case is plain
-(:func:`fastreplay._torchrl.plain_rows`: an initialised 1-D storage of a plain ``TensorDict``
-on the CPU, read with a 1-D ``int64``/``int32`` CPU tensor); anything else (an ``ndim > 1``
+(:func:`fastreplay._torchrl.plain_rows`: an initialised 1-D storage of a plain ``TensorDict`` on
+the CPU, read with a 1-D ``int64``/``int32`` CPU tensor); anything else (an ``ndim > 1``
 storage, an integer, a slice, a tuple, a mask, a storage of plain tensors, an accelerator
-storage, non-tensor data, dimension names, a compilable storage) is TorchRL's ``get``. A row
-outside the filled rows, or a negative one, is also left to TorchRL's ``get``, which returns
-or raises what it always does. The output is TorchRL's: the same values, dtypes, devices,
-batch size, keys and order, and the same tensor types (plain tensors, also from a memmap).
-Writes are TorchRL's.
+storage, non-tensor data, dimension names, a read traced by ``torch.compile``) is TorchRL's
+``get``. A row outside the filled rows, or a negative one, is also left to TorchRL's ``get``,
+which returns or raises what it always does. The output is TorchRL's: the same values, dtypes,
+devices, batch size, keys and order, and the same tensor types (plain tensors, also from a
+memmap). Writes are TorchRL's.
 
 The buffers' direct path (:mod:`fastreplay.buffers.paths`) takes these classes as it takes
 TorchRL's.
@@ -68,6 +68,14 @@ class TensorStorage(_torchrl.TensorStorage):
 
     Same constructor, behaviour and output as ``torchrl.data.TensorStorage``; see
     :mod:`fastreplay.storages`.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from fastreplay import TensorStorage
+        >>> storage = TensorStorage(TensorDict(obs=torch.arange(5.0), batch_size=[5]))
+        >>> storage.get(torch.tensor([4, 0]))["obs"].tolist()
+        [4.0, 0.0]
     """
 
     def get(self, index: Any) -> Any:
@@ -83,6 +91,16 @@ class LazyTensorStorage(_torchrl.LazyTensorStorage, TensorStorage):
 
     Same constructor, behaviour and output as ``torchrl.data.LazyTensorStorage``; see
     :mod:`fastreplay.storages`.
+
+    Example:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import TensorDictReplayBuffer
+        >>> from fastreplay import LazyTensorStorage
+        >>> rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
+        >>> _ = rb.extend(TensorDict(obs=torch.randn(10, 3), batch_size=[10]))
+        >>> rb.sample()["obs"].shape
+        torch.Size([4, 3])
     """
 
     def get(self, index: Any) -> Any:
@@ -98,6 +116,15 @@ class LazyMemmapStorage(_torchrl.LazyMemmapStorage, LazyTensorStorage):
 
     Same constructor, behaviour and output as ``torchrl.data.LazyMemmapStorage``; see
     :mod:`fastreplay.storages`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from tensordict import TensorDict
+        >>> from fastreplay import LazyMemmapStorage
+        >>> storage = LazyMemmapStorage(10, scratch_dir=tempfile.mkdtemp())
+        >>> storage.set(torch.arange(3), TensorDict(obs=torch.arange(3.0), batch_size=[3]))
+        >>> storage.get(torch.tensor([2, 2]))["obs"].tolist()
+        [2.0, 2.0]
     """
 
     def get(self, index: Any) -> Any:

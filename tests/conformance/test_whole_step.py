@@ -78,10 +78,27 @@ def uniform(capacity: int) -> Any:
 SAMPLERS = {"prioritized": prioritized, "random": uniform}
 
 
-def make(side: str, sampler: str = "prioritized", capacity: int = 7, **kwargs: Any) -> Any:
-    """A buffer of ``side`` with a ``LazyTensorStorage(capacity)`` unless ``storage`` is given."""
+# Whose storage classes the fastreplay sides use (the TorchRL side always uses TorchRL's):
+# fastreplay's storages are TorchRL's with a faster ``get`` (``fastreplay.storages``).
+STORES = {"torchrl": trl, "fastreplay": fastreplay}
+
+
+def storages(side: str, stores: str) -> Any:
+    """The module whose storage classes ``side`` uses."""
+    return trl if side == "torchrl" else STORES[stores]
+
+
+def make(
+    side: str,
+    sampler: str = "prioritized",
+    capacity: int = 7,
+    stores: str = "torchrl",
+    **kwargs: Any,
+) -> Any:
+    """A buffer of ``side`` with a ``LazyTensorStorage(capacity)`` unless ``storage`` is given
+    (TorchRL's, or fastreplay's on the fastreplay sides with ``stores="fastreplay"``)."""
     cls = trl.TensorDictReplayBuffer if side == "torchrl" else fastreplay.TensorDictReplayBuffer
-    kwargs.setdefault("storage", trl.LazyTensorStorage(capacity))
+    kwargs.setdefault("storage", storages(side, stores).LazyTensorStorage(capacity))
     kwargs.setdefault("batch_size", 5)
     kwargs.setdefault("generator", torch.Generator().manual_seed(3))
     rb = cls(sampler=SAMPLERS[sampler](capacity), **kwargs)
@@ -263,11 +280,14 @@ def run_sides(
 # --------------------------------------------------------------------------- the common case
 
 
+@pytest.mark.parametrize("stores", list(STORES))
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 @pytest.mark.parametrize("capacity", [7, 13, 1])
-def test_extend_sample_update_match_torchrl(sampler: str, capacity: int, taken: dict) -> None:
+def test_extend_sample_update_match_torchrl(
+    sampler: str, capacity: int, stores: str, taken: dict
+) -> None:
     script = script_per_step(update=sampler == "prioritized")
-    run_sides(script, lambda side: make(side, sampler, capacity))
+    run_sides(script, lambda side: make(side, sampler, capacity, stores))
     # the fast side took the direct path wherever it applies, and only there
     assert taken == direct({"write": direct_writes(capacity), "gather": 12})
 
@@ -285,16 +305,19 @@ def test_flat_keys_and_strided_input(taken: dict) -> None:
     assert taken == direct({"write": 2 * direct_writes(7), "gather": 24})
 
 
-def test_memmap_and_prebuilt_storages(tmp_path: Any, taken: dict) -> None:
+@pytest.mark.parametrize("stores", list(STORES))
+def test_memmap_and_prebuilt_storages(tmp_path: Any, stores: str, taken: dict) -> None:
     def memmap(side: str) -> Any:
         path = tmp_path / side
-        return make(side, storage=trl.LazyMemmapStorage(9, scratch_dir=path, existsok=True))
+        cls = storages(side, stores).LazyMemmapStorage
+        return make(side, storage=cls(9, scratch_dir=path, existsok=True))
 
     run_sides(script_per_step(), memmap)
     prebuilt = rows(11, 99)
     prebuilt["index"] = torch.zeros(11, dtype=torch.long)
     run_sides(
-        script_per_step(), lambda side: make(side, storage=trl.TensorStorage(prebuilt.clone()))
+        script_per_step(),
+        lambda side: make(side, storage=storages(side, stores).TensorStorage(prebuilt.clone())),
     )
     # the prebuilt storage is initialised before the first extend: every extend is direct
     assert taken == direct({"write": direct_writes(9) + 12, "gather": 24})
@@ -522,14 +545,42 @@ def test_other_set_ups_take_the_general_path(factory: Callable, taken: dict) -> 
     assert taken == direct({"write": 0, "gather": 0})
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"transform": Compose(RenameTransform(["obs"], ["observation"]))},
+        {"prefetch": 2},
+        {"sampler_kwargs": None},
+    ],
+    ids=["transform", "prefetch", "plain"],
+)
+def test_fastreplay_storages_on_torchrl_path(kwargs: dict, taken: dict) -> None:
+    """fastreplay's storages where the buffer takes TorchRL's path (their ``get`` reads the
+    sample), and on TorchRL's own buffer (``plain``: the TorchRL side's storage is TorchRL's,
+    the others fastreplay's, all read by the general path or the direct one)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "sampler_kwargs"}
+    for sampler in SAMPLERS:
+        script = script_per_step(update=sampler == "prioritized")
+        if "prefetch" in kwargs:  # (samples drawn ahead: no writes between them)
+            script = [("extend", lambda s=s, n=n: rows(n, s), {}) for s, n in ((0, 7), (1, 5))]
+            script += [("sample", None, True), ("sample", None, False)]
+        run_sides(
+            script, lambda side, sampler=sampler: make(side, sampler, 13, "fastreplay", **kwargs)
+        )
+    if kwargs:
+        assert taken == direct({"write": 0, "gather": 0})
+
+
 def test_dim_extend_zero_is_the_default_case(taken: dict) -> None:
     run_sides(script_per_step(4), _dim_extend)
     assert (taken["write"] > 0) == STORAGE_HAS_REVISION
 
 
-def test_ndim_2_storage_takes_the_general_path(taken: dict) -> None:
+@pytest.mark.parametrize("stores", list(STORES))
+def test_ndim_2_storage_takes_the_general_path(stores: str, taken: dict) -> None:
     def factory(side: str) -> Any:
-        return make(side, "random", storage=trl.LazyTensorStorage(12, ndim=2))
+        storage = storages(side, stores).LazyTensorStorage(12, ndim=2)
+        return make(side, "random", storage=storage)
 
     def two_d(seed: int) -> TensorDict:
         data = rows(6, seed)

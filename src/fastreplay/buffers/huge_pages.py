@@ -8,9 +8,10 @@ pages most of those reads also miss the TLB. The buffers' writes
 write, so the rows written from then on sit on 2 MiB pages where Linux offers them. Values,
 shapes, dtypes and the storage's state are untouched; elsewhere nothing happens.
 
-Only ``LazyTensorStorage`` (TorchRL's or fastreplay's) on the CPU, in this process's own memory: a ``LazyMemmapStorage``
-is a file, a ``TensorStorage`` holds the user's tensors, and shared storages live in shared
-memory (``torch.multiprocessing``), whose page size the system decides.
+Only ``LazyTensorStorage`` (TorchRL's or fastreplay's) on the CPU, in this process's own
+memory: a ``LazyMemmapStorage`` is a file, a ``TensorStorage`` holds the user's tensors, and
+shared storages live in shared memory (``torch.multiprocessing``), whose page size the system
+decides.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 from tensordict import is_tensor_collection
 from torch.utils._pytree import tree_leaves
 
-from fastreplay._core.memory import MIN_BYTES, advise_huge_pages
 from fastreplay import _torchrl
+from fastreplay._core.memory import MIN_BYTES, advise_huge_pages
 
 __all__ = ["advise_storage", "after_first_write", "before_first_write"]
 
@@ -36,13 +37,17 @@ def before_first_write(buffer: Any) -> bool:
     storage = buffer.__dict__.get("_storage")
     if storage is None:
         return True
-    return type(storage) in _torchrl.LAZY_TENSOR_STORAGES and not storage.__dict__.get("initialized", False)
+    return type(storage) in _torchrl.LAZY_TENSOR_STORAGES and not storage.__dict__.get(
+        "initialized", False
+    )
 
 
 def after_first_write(buffer: Any) -> None:
     """Advise huge pages for the storage's tensors if that write created them. O(leaves)."""
     storage = buffer.__dict__.get("_storage")
-    if type(storage) in _torchrl.LAZY_TENSOR_STORAGES and storage.__dict__.get("initialized", False):
+    if type(storage) in _torchrl.LAZY_TENSOR_STORAGES and storage.__dict__.get(
+        "initialized", False
+    ):
         advise_storage(storage)
 
 
