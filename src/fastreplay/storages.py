@@ -79,10 +79,14 @@ class TensorStorage(_torchrl.TensorStorage):
     """
 
     def get(self, index: Any) -> Any:
-        """``TensorStorage.get``: the rows ``index``. O(len(index) x row size)."""
+        """``TensorStorage.get``: the rows ``index``. O(len(index) x row size).
+
+        The lazy subclasses inherit it below TorchRL's lazy ``get`` (which first waits for a
+        storage another process initialises, then calls this through ``super()``).
+        """
         data = _gathered(self, index)
         if data is None:
-            return _torchrl.TensorStorage.get(self, index)
+            return super().get(index)
         return data
 
 
@@ -103,13 +107,6 @@ class LazyTensorStorage(_torchrl.LazyTensorStorage, TensorStorage):
         torch.Size([4, 3])
     """
 
-    def get(self, index: Any) -> Any:
-        """``LazyTensorStorage.get``: the rows ``index``. O(len(index) x row size)."""
-        data = _gathered(self, index)
-        if data is None:
-            return _torchrl.LazyTensorStorage.get(self, index)
-        return data
-
 
 class LazyMemmapStorage(_torchrl.LazyMemmapStorage, LazyTensorStorage):
     """TorchRL's ``LazyMemmapStorage``, whose ``get`` reads plain cases with one gather per leaf.
@@ -126,13 +123,6 @@ class LazyMemmapStorage(_torchrl.LazyMemmapStorage, LazyTensorStorage):
         >>> storage.get(torch.tensor([2, 2]))["obs"].tolist()
         [2.0, 2.0]
     """
-
-    def get(self, index: Any) -> Any:
-        """``LazyMemmapStorage.get``: the rows ``index``. O(len(index) x row size)."""
-        data = _gathered(self, index)
-        if data is None:
-            return _torchrl.LazyMemmapStorage.get(self, index)
-        return data
 
 
 register_tensor_storages(
